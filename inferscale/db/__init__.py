@@ -1,0 +1,1 @@
+"""Postgres + pgvector persistence: table definitions, engine and queries."""

@@ -1,0 +1,62 @@
+"""Table definitions (the alembic migrations are the source of truth for the schema)."""
+
+from __future__ import annotations
+
+from pgvector.sqlalchemy import Vector
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+
+EMBEDDING_DIM = 384
+
+metadata = MetaData()
+
+turns = Table(
+    "turns",
+    metadata,
+    Column("user_id", String(256), primary_key=True),
+    Column("conversation_id", String(256), primary_key=True),
+    Column("turn_id", String(256), primary_key=True),
+    Column("speaker", String(256), nullable=False),
+    Column("text", Text, nullable=False),
+    Column("ts", DateTime(timezone=True), nullable=False),
+    Column("source_topic", String(256)),
+    Column("source_partition", Integer),
+    Column("source_offset", BigInteger),
+    Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+)
+
+facts = Table(
+    "facts",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("user_id", String(256), nullable=False),
+    Column("conversation_id", String(256), nullable=False),
+    Column("turn_ids", ARRAY(String(256)), nullable=False),
+    Column("ordinal", Integer, nullable=False, server_default="0"),
+    Column("extractor", String(64), nullable=False),
+    Column("text", Text, nullable=False),
+    Column("ts", DateTime(timezone=True), nullable=False),
+    Column("embedding", Vector(EMBEDDING_DIM), nullable=False),
+    Column("token_ids", ARRAY(Integer)),
+    Column("token_count", Integer),
+    Column("window", Integer),
+    Column("model_fingerprint", String(64)),
+    Column("kv_location", Text),
+    Column("kv_bytes", BigInteger),
+    Column("kv_checksum", String(64)),
+    Column("encode_attempts", Integer, nullable=False, server_default="0"),
+    Column("encode_error", Text),
+    Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+    Column("encoded_at", DateTime(timezone=True)),
+    Column("deleted_at", DateTime(timezone=True)),
+)

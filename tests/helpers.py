@@ -1,0 +1,38 @@
+"""Test helpers shared by the integration suites."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord
+
+from conftest import SAMPLE
+from inferscale.events import TurnEvent
+from inferscale.sources import read_turns
+
+
+def sample_turns(user_id: str | None = None) -> list[TurnEvent]:
+    """The shipped sample conversation, owned by a fresh (or the given) user id."""
+    user_id = user_id or f"user-{uuid.uuid4().hex[:8]}"
+    return [t.model_copy(update={"user_id": user_id, "conversation_id": user_id})
+            for t in read_turns(SAMPLE)]
+
+
+async def read_topic(bootstrap: str, topic: str, expected: int,
+                     timeout_s: float = 20) -> list[ConsumerRecord]:
+    """Read a topic from the beginning until ``expected`` records arrived (or time runs out)."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    records: list[ConsumerRecord] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while len(records) < expected:
+                batch = await consumer.getmany(timeout_ms=500)
+                records += [r for part in batch.values() for r in part]
+    except TimeoutError:
+        pass
+    finally:
+        await consumer.stop()
+    return records

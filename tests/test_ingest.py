@@ -1,0 +1,113 @@
+"""Ingest worker on the real broker and the real Postgres."""
+
+import asyncio
+import json
+import uuid
+
+import pytest
+from sqlalchemy import func, select
+
+from helpers import read_topic, sample_turns
+from inferscale.db.queries import count_user_rows
+from inferscale.db.tables import facts
+from inferscale.kafka import ensure_topics, make_producer, publish_turns
+from workers.ingest import IngestWorker
+
+
+def worker(settings, engine, embedder, **kwargs) -> IngestWorker:
+    return IngestWorker(settings, settings.kafka_bootstrap, engine, embedder, **kwargs)
+
+
+async def publish(settings, turns) -> int:
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    return await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns,
+                               progress=False)
+
+
+async def test_locomo_conversation_stored_once_with_embeddings(settings, engine, embedder):
+    turns = sample_turns()
+    user = turns[0].user_id
+    assert await publish(settings, turns) == len(turns)
+    stats = await worker(settings, engine, embedder).run(drain=True)
+    assert stats.consumed == len(turns)
+    async with engine.connect() as conn:
+        assert await count_user_rows(conn, user) == (len(turns), len(turns))
+        missing = await conn.scalar(select(func.count()).where(
+            facts.c.user_id == user, facts.c.embedding.is_(None)))
+        texts = (await conn.execute(select(facts.c.text).where(facts.c.user_id == user))).scalars()
+        assert missing == 0
+        assert "3 March 2025 Sam: No, I switched careers last year." in " ".join(texts)
+
+
+async def test_redelivery_after_db_commit_creates_no_duplicates(settings, engine, embedder):
+    turns = sample_turns()
+    user = turns[0].user_id
+    await publish(settings, turns)
+
+    async def crash_before_offset_commit(offsets):
+        raise RuntimeError("killed between DB commit and offset commit")
+
+    with pytest.raises(RuntimeError, match="killed between"):
+        await worker(settings, engine, embedder,
+                     after_store=crash_before_offset_commit).run(drain=True)
+    async with engine.connect() as conn:
+        stored_before = await count_user_rows(conn, user)
+    assert stored_before[0] > 0
+    # Same group: nothing was committed, so the batch is delivered again.
+    stats = await worker(settings, engine, embedder).run(drain=True)
+    assert stats.consumed == len(turns)
+    # A full replay from another group re-reads everything.
+    replay = settings.model_copy(update={"consumer_group": settings.consumer_group + "-replay"})
+    replay_stats = await worker(replay, engine, embedder).run(drain=True)
+    assert replay_stats.consumed == len(turns)
+    assert replay_stats.turns_stored == replay_stats.facts_stored == 0
+    async with engine.connect() as conn:
+        assert await count_user_rows(conn, user) == (len(turns), len(turns))
+
+
+async def test_two_workers_share_the_group(settings, engine, embedder):
+    users = [f"pair-{uuid.uuid4().hex[:6]}-{i}" for i in range(8)]
+    turns = [t for user in users for t in sample_turns(user)]
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], partitions=4)
+    await publish(settings, turns)
+    small = settings.model_copy(update={"ingest_batch_size": 16, "drain_idle_s": 3.0})
+    a, b = worker(small, engine, embedder), worker(small, engine, embedder)
+    await asyncio.gather(a.run(drain=True), b.run(drain=True))
+    assert a.stats.turns_stored + b.stats.turns_stored == len(turns)
+    assert a.stats.facts_stored + b.stats.facts_stored == len(turns)
+    assert a.stats.consumed > 0 and b.stats.consumed > 0
+    async with engine.connect() as conn:
+        for user in users:
+            assert await count_user_rows(conn, user) == (len(turns) // 8, len(turns) // 8)
+
+
+async def test_bad_messages_go_to_dead_letter_and_good_ones_are_kept(settings, engine, embedder):
+    good = sample_turns()[:4]
+    user = good[0].user_id
+    base = json.loads(good[0].to_bytes())
+    bad = [
+        (b"{oops", "invalid json"),
+        (json.dumps({**base, "version": 9, "turn_id": "v9"}).encode(), "unknown version: 9"),
+        (json.dumps({k: v for k, v in base.items() if k != "speaker"}).encode(), "speaker"),
+        (json.dumps({**base, "turn_id": "big", "text": "x" * 20000}).encode(), "text too large"),
+    ]
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    producer = make_producer(settings.kafka_bootstrap)
+    await producer.start()
+    try:
+        for turn, (raw, _) in zip(good, bad, strict=True):
+            await producer.send_and_wait(settings.turns_topic, raw, key=user.encode())
+            await producer.send_and_wait(settings.turns_topic, turn.to_bytes(), key=user.encode())
+    finally:
+        await producer.stop()
+    stats = await worker(settings, engine, embedder).run(drain=True)
+    assert stats.dead_lettered == len(bad)
+    async with engine.connect() as conn:
+        assert await count_user_rows(conn, user) == (len(good), len(good))
+    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, len(bad))
+    assert len(dead) == len(bad)
+    reasons = [dict(r.headers)["reason"].decode() for r in dead]
+    for (raw, expected), record, reason in zip(bad, dead, reasons, strict=True):
+        assert expected in reason
+        assert record.value == raw
+        assert dict(record.headers)["source-topic"].decode() == settings.turns_topic

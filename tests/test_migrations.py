@@ -1,0 +1,46 @@
+"""Alembic migrations on the real Postgres: upgrade -> downgrade -> upgrade."""
+
+import asyncio
+import uuid
+
+import asyncpg
+from sqlalchemy.engine import make_url
+
+from inferscale import migrate
+
+
+async def _tables(url: str) -> set[str]:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        return {r["tablename"] for r in rows}
+    finally:
+        await conn.close()
+
+
+async def test_upgrade_downgrade_upgrade(base_settings):
+    url = make_url(base_settings.database_url)
+    plain = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    name = f"migrations_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(plain)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        target = url.set(database=name).render_as_string(hide_password=False)
+        raw = make_url(target).set(drivername="postgresql").render_as_string(hide_password=False)
+        await asyncio.to_thread(migrate.upgrade, target)
+        assert {"turns", "facts", "alembic_version"} <= await _tables(raw)
+        await asyncio.to_thread(migrate.downgrade, target, "base")
+        assert await _tables(raw) == {"alembic_version"}
+        await asyncio.to_thread(migrate.upgrade, target)
+        tables = await _tables(raw)
+        assert {"turns", "facts"} <= tables
+        conn = await asyncpg.connect(raw)
+        try:
+            index = await conn.fetchval(
+                "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_facts_embedding_hnsw'")
+        finally:
+            await conn.close()
+        assert "hnsw" in index and "vector_cosine_ops" in index
+    finally:
+        await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+        await admin.close()

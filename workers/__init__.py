@@ -1,0 +1,1 @@
+"""Runnable Kafka consumers of InferScale."""

@@ -1,0 +1,191 @@
+"""Turn-ingest worker: Kafka turns -> validated turns + embedded facts in Postgres.
+
+At-least-once: offsets are committed only after the database transaction that stores the batch
+has committed; every write is an upsert on a natural key, so redelivery creates no duplicates.
+Malformed messages go to the dead-letter topic with the reason in a header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.errors import CommitFailedError
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from inferscale.db.queries import NewFact, StoredTurn, upsert_facts, upsert_turns
+from inferscale.embedder import Embedder, load_embedder
+from inferscale.events import InvalidEvent, TurnEvent, parse_turn
+from inferscale.extract import get_extractor
+from inferscale.kafka import ensure_topics, make_producer
+from inferscale.settings import Settings
+
+log = logging.getLogger("inferscale.ingest")
+
+DB_RETRY_MAX_S = 10.0
+
+
+@dataclass
+class IngestStats:
+    """Counters of one worker's run."""
+
+    consumed: int = 0
+    turns_stored: int = 0
+    facts_stored: int = 0
+    dead_lettered: int = 0
+    batches: int = 0
+    db_retries: int = 0
+
+
+def is_transient_db_error(exc: BaseException) -> bool:
+    """Connection-level failures worth retrying (database restarting, network blips)."""
+    return isinstance(exc, OperationalError | OSError | ConnectionError) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated
+    )
+
+
+class IngestWorker:
+    """One member of the ingest consumer group."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bootstrap: str,
+        engine: AsyncEngine,
+        embedder: Embedder | None = None,
+        after_store: Callable[[dict[TopicPartition, int]], Awaitable[None]] | None = None,
+    ):
+        self.settings = settings
+        self.bootstrap = bootstrap
+        self.engine = engine
+        self.embedder = embedder
+        self.extract = get_extractor(settings.extractor)
+        self.after_store = after_store
+        self.stats = IngestStats()
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        """Finish the current batch, commit, leave the group."""
+        self._stop.set()
+
+    async def run(self, drain: bool = False) -> IngestStats:
+        """Consume until stopped (or, with ``drain``, until the topic stays idle)."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        if self.embedder is None:
+            self.embedder = await loop.run_in_executor(None, load_embedder, s.embedder)
+        await ensure_topics(self.bootstrap, [s.turns_topic, s.dead_letter_topic])
+        consumer = AIOKafkaConsumer(
+            s.turns_topic, bootstrap_servers=self.bootstrap, group_id=s.consumer_group,
+            enable_auto_commit=False, auto_offset_reset="earliest",
+            session_timeout_ms=s.kafka_session_timeout_ms,
+            heartbeat_interval_ms=max(100, s.kafka_session_timeout_ms // 5),
+            max_poll_records=s.ingest_batch_size,
+        )
+        producer = make_producer(self.bootstrap)
+        await producer.start()
+        await consumer.start()
+        idle_since = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                batch = await consumer.getmany(
+                    timeout_ms=s.ingest_poll_ms, max_records=s.ingest_batch_size
+                )
+                records = [r for part in batch.values() for r in part]
+                if not records:
+                    if drain and consumer.assignment() and (
+                        time.monotonic() - idle_since >= s.drain_idle_s
+                    ):
+                        break
+                    continue
+                await self._handle(records, producer)
+                offsets = {tp: part[-1].offset + 1 for tp, part in batch.items() if part}
+                if self.after_store:
+                    await self.after_store(offsets)
+                try:
+                    await consumer.commit(offsets)
+                except CommitFailedError as exc:
+                    # The group rebalanced: another member redelivers; writes are idempotent.
+                    log.warning("offset commit failed after rebalance: %s", exc)
+                idle_since = time.monotonic()
+        finally:
+            await consumer.stop()
+            await producer.stop()
+        return self.stats
+
+    async def _handle(self, records: list[ConsumerRecord], producer) -> None:
+        valid: dict[tuple[str, str, str], tuple[TurnEvent, ConsumerRecord]] = {}
+        dead: list[tuple[ConsumerRecord, str]] = []
+        for record in records:
+            try:
+                event = parse_turn(record.value, self.settings.max_text_bytes)
+            except InvalidEvent as exc:
+                dead.append((record, exc.reason))
+                continue
+            valid.setdefault((event.user_id, event.conversation_id, event.turn_id), (event, record))
+        self.stats.consumed += len(records)
+        if dead:
+            await asyncio.gather(*(self._dead_letter(producer, r, reason) for r, reason in dead))
+            self.stats.dead_lettered += len(dead)
+        if valid:
+            await self._store(list(valid.values()))
+        self.stats.batches += 1
+
+    async def _dead_letter(self, producer, record: ConsumerRecord, reason: str) -> None:
+        headers = [
+            ("reason", reason.encode()[:1024]),
+            ("source-topic", record.topic.encode()),
+            ("source-partition", str(record.partition).encode()),
+            ("source-offset", str(record.offset).encode()),
+        ]
+        await producer.send_and_wait(
+            self.settings.dead_letter_topic, record.value, key=record.key, headers=headers
+        )
+        log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset,
+                 reason)
+
+    async def _store(self, items: list[tuple[TurnEvent, ConsumerRecord]]) -> None:
+        turns = [
+            StoredTurn(
+                user_id=e.user_id, conversation_id=e.conversation_id, turn_id=e.turn_id,
+                speaker=e.speaker, text=e.text, ts=e.timestamp, source_topic=r.topic,
+                source_partition=r.partition, source_offset=r.offset,
+            )
+            for e, r in items
+        ]
+        pending = [(e, ordinal, text) for e, _ in items
+                   for ordinal, text in enumerate(self.extract(e))]
+        loop = asyncio.get_running_loop()
+        vectors = await loop.run_in_executor(
+            None, self.embedder.encode, [text for _, _, text in pending]
+        )
+        facts = [
+            NewFact(
+                user_id=e.user_id, conversation_id=e.conversation_id, turn_ids=(e.turn_id,),
+                ordinal=ordinal, extractor=self.settings.extractor, text=text, ts=e.timestamp,
+                embedding=vector.tolist(),
+            )
+            for (e, ordinal, text), vector in zip(pending, vectors, strict=True)
+        ]
+        delay = 0.2
+        while True:
+            try:
+                async with self.engine.begin() as conn:
+                    new_turns = await upsert_turns(conn, turns)
+                    new_facts = await upsert_facts(conn, facts)
+                break
+            except Exception as exc:
+                if not is_transient_db_error(exc):
+                    raise
+                self.stats.db_retries += 1
+                log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__,
+                            delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, DB_RETRY_MAX_S)
+        self.stats.turns_stored += new_turns
+        self.stats.facts_stored += new_facts
