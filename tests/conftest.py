@@ -64,3 +64,20 @@ def embedder():
     from inferscale.embedder import load_embedder
 
     return load_embedder()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, prepared from the PyPI wheel (cached across runs)."""
+    from inferscale.model_prep import PREPARED_NAME, prepare_model
+
+    return prepare_model(Path.home() / ".cache" / "inferscale-test" / PREPARED_NAME)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
+    """Seeded tiny random Llama, Qwen2 (qkv bias) and Qwen3 (key norm), fp32."""
+    from models import tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {kind: tiny_model(kind, smollm2_dir, root / kind) for kind in ("llama", "qwen2", "qwen3")}

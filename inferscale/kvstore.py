@@ -1,0 +1,230 @@
+"""Tiered store of per-fact KV blobs: durable directory -> host-RAM LRU -> device hot cache.
+
+Blob (safetensors): ``k`` (pre-RoPE) and ``v`` as ``[layers, tokens, kv_heads, head_dim]`` in the
+model dtype, ``token_ids`` (int32), metadata: model fingerprint, window, dtype, shape, checksum.
+Durable writes are atomic (temp file, fsync, rename); checksum and fingerprint are verified when
+a blob is paged in from the durable tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load, save
+
+from inferscale.metrics import KV_METRICS
+
+
+class KVBlobError(RuntimeError):
+    """A blob that cannot be used; serving falls back to prefilling the fact's text."""
+
+    reason = "error"
+
+    def __init__(self, location: str, detail: str):
+        super().__init__(f"{self.reason}: {location}: {detail}")
+        self.location = location
+
+
+class BlobMissing(KVBlobError):
+    reason = "missing"
+
+
+class ChecksumMismatch(KVBlobError):
+    reason = "checksum"
+
+
+class FingerprintMismatch(KVBlobError):
+    reason = "fingerprint"
+
+
+@dataclass(frozen=True)
+class KVBlob:
+    """One fact's KV, ready to rotate and inject."""
+
+    k: torch.Tensor  # [layers, tokens, kv_heads, head_dim], keys before RoPE
+    v: torch.Tensor
+    token_ids: list[int]
+    fingerprint: str
+    window: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    """Where a blob went and what it weighs (recorded in Postgres)."""
+
+    location: str
+    nbytes: int
+    checksum: str
+
+
+def blob_checksum(k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor) -> str:
+    """sha256 over the raw bytes of K, V and the token ids."""
+    digest = hashlib.sha256()
+    for tensor in (k, v, token_ids):
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+class ByteLRU:
+    """Thread-safe LRU bounded by the total bytes of its values."""
+
+    def __init__(self, budget_bytes: int, tier: str):
+        self.budget = budget_bytes
+        self.tier = tier
+        self.used = 0
+        self._items: OrderedDict[str, KVBlob] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> KVBlob | None:
+        with self._lock:
+            blob = self._items.get(key)
+            if blob is not None:
+                self._items.move_to_end(key)
+        KV_METRICS.cache_lookups.labels(self.tier, "hit" if blob else "miss").inc()
+        return blob
+
+    def put(self, key: str, blob: KVBlob) -> None:
+        if blob.nbytes > self.budget:
+            return
+        with self._lock:
+            if (old := self._items.pop(key, None)) is not None:
+                self.used -= old.nbytes
+            self._items[key] = blob
+            self.used += blob.nbytes
+            while self.used > self.budget:
+                _, evicted = self._items.popitem(last=False)
+                self.used -= evicted.nbytes
+                KV_METRICS.evictions.labels(self.tier).inc()
+
+    def pop(self, key: str) -> None:
+        with self._lock:
+            if (old := self._items.pop(key, None)) is not None:
+                self.used -= old.nbytes
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class KVStore:
+    """Durable directory tier plus in-memory LRU tiers (host RAM; device when it is not CPU)."""
+
+    def __init__(self, root: Path, fingerprint: str, host_bytes: int, device_bytes: int = 0,
+                 device: torch.device | str = "cpu"):
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.device = torch.device(device)
+        self.host = ByteLRU(host_bytes, "host")
+        self.hot = ByteLRU(device_bytes, "device") if self.device.type != "cpu" else None
+
+    # --- durable tier -------------------------------------------------------------------------
+
+    def location_for(self, name: str) -> str:
+        """Relative location of a blob named ``name`` (a fact id or "preamble")."""
+        shard = hashlib.sha1(name.encode()).hexdigest()[:2]
+        return f"{self.fingerprint[:16]}/{shard}/{name}.safetensors"
+
+    def put(self, name: str, k: torch.Tensor, v: torch.Tensor, token_ids: list[int],
+            window: int) -> StoredBlob:
+        """Write a blob durably and atomically; identical rewrites are harmless."""
+        if k.shape != v.shape or k.dim() != 4 or k.shape[1] != len(token_ids):
+            raise ValueError(f"bad KV shape k={tuple(k.shape)} v={tuple(v.shape)} "
+                             f"tokens={len(token_ids)}")
+        k, v = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
+        ids = torch.tensor(token_ids, dtype=torch.int32)
+        checksum = blob_checksum(k, v, ids)
+        metadata = {
+            "fingerprint": self.fingerprint, "window": str(window), "checksum": checksum,
+            "dtype": str(k.dtype).removeprefix("torch."), "shape": ",".join(map(str, k.shape)),
+        }
+        data = save({"k": k, "v": v, "token_ids": ids}, metadata=metadata)
+        location = self.location_for(name)
+        path = self.root / location
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return StoredBlob(location=location, nbytes=len(data), checksum=checksum)
+
+    def _read_durable(self, location: str, expected_checksum: str | None) -> KVBlob:
+        path = self.root / location
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise BlobMissing(location, "no such blob") from None
+        try:
+            header_len = struct.unpack("<Q", raw[:8])[0]
+            metadata = json.loads(raw[8:8 + header_len]).get("__metadata__", {})
+            tensors = load(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt blob
+            raise ChecksumMismatch(location, f"unreadable blob: {exc}") from None
+        if metadata.get("fingerprint") != self.fingerprint:
+            raise FingerprintMismatch(
+                location, f"made for {metadata.get('fingerprint', '?')[:16]}, serving "
+                          f"{self.fingerprint[:16]}")
+        checksum = blob_checksum(tensors["k"], tensors["v"], tensors["token_ids"])
+        if checksum != metadata.get("checksum") or (
+            expected_checksum and checksum != expected_checksum
+        ):
+            raise ChecksumMismatch(location, "content does not match its checksum")
+        KV_METRICS.page_in_bytes.inc(len(raw))
+        return KVBlob(k=tensors["k"], v=tensors["v"], token_ids=tensors["token_ids"].tolist(),
+                      fingerprint=metadata["fingerprint"], window=int(metadata["window"]))
+
+    # --- tiered reads -------------------------------------------------------------------------
+
+    def get(self, location: str, expected_checksum: str | None = None) -> KVBlob:
+        """The blob on this store's device: device cache -> host cache -> durable (verified)."""
+        if self.hot is not None and (blob := self.hot.get(location)) is not None:
+            return blob
+        blob = self.host.get(location)
+        if blob is None:
+            with KV_METRICS.page_in_seconds.time():
+                blob = self._read_durable(location, expected_checksum)
+            self.host.put(location, blob)
+        if self.hot is not None:
+            blob = KVBlob(k=blob.k.to(self.device, non_blocking=True),
+                          v=blob.v.to(self.device, non_blocking=True),
+                          token_ids=blob.token_ids, fingerprint=blob.fingerprint,
+                          window=blob.window)
+            self.hot.put(location, blob)
+        return blob
+
+    def get_many(self, locations: list[str], expected_checksums: list[str | None] | None = None
+                 ) -> list[KVBlob]:
+        """Blobs for several facts, in order; raises the first KVBlobError."""
+        checksums = expected_checksums or [None] * len(locations)
+        return [self.get(loc, c) for loc, c in zip(locations, checksums, strict=True)]
+
+    def delete(self, locations: list[str]) -> int:
+        """Remove blobs from every tier; returns how many durable files were removed."""
+        removed = 0
+        for location in locations:
+            self.host.pop(location)
+            if self.hot is not None:
+                self.hot.pop(location)
+            path = self.root / location
+            if path.exists():
+                path.unlink()
+                removed += 1
+        return removed

@@ -1,0 +1,80 @@
+"""Chunked RoPE: rotate stored pre-RoPE keys to the positions they occupy at serving time.
+
+The cos/sin table is vLLM's own (``get_rope`` returns the serving model's cached instance), so
+keys rotated here match what vLLM computes for the same positions. Where vLLM is not installed
+(a GPU box with transformers only) the table is built from transformers' RoPE init functions,
+which the test suite checks against vLLM's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def model_head_dim(config) -> int:
+    """Per-head dimension of a HF decoder config."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _vllm_cos_sin(config, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    def build():
+        return get_rope(model_head_dim(config), max_position=max_position, is_neox_style=True,
+                        rope_parameters=config.rope_parameters, dtype=dtype)
+
+    if get_current_vllm_config_or_none() is not None:  # inside a vLLM process
+        rope = build()
+    else:
+        with set_current_vllm_config(VllmConfig()):
+            rope = build()
+    return rope.cos_sin_cache, rope.rotary_dim
+
+
+def _hf_cos_sin(config, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = config.rope_parameters
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = int(model_head_dim(config) * params.get("partial_rotary_factor", 1.0))
+        exponent = torch.arange(0, dim, 2, dtype=torch.float) / dim
+        inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    freqs = torch.einsum("i,j -> ij", torch.arange(max_position, dtype=torch.float), inv_freq)
+    cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+    return cache.to(dtype), 2 * inv_freq.numel()
+
+
+def cos_sin_table(config, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(cos|sin table [max_position, rotary_dim], rotary_dim) for this model, vLLM's if present."""
+    try:
+        return _vllm_cos_sin(config, max_position, dtype)
+    except ImportError:
+        return _hf_cos_sin(config, max_position, dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+               rotary_dim: int) -> torch.Tensor:
+    """Neox-style rotation of ``x [..., tokens, heads, head_dim]`` at ``positions [tokens]``."""
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(-2).chunk(2, dim=-1)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class ChunkedRope:
+    """Rotates ``[layers, tokens, kv_heads, head_dim]`` keys for all layers in one call."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 max_position: int | None = None):
+        max_position = max_position or config.max_position_embeddings
+        table, self.rotary_dim = cos_sin_table(config, max_position, dtype)
+        self.cos_sin = table.to(device=device, dtype=dtype)
+
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys rotated to ``positions`` (one position per token, shared by every layer)."""
+        return apply_rope(keys, positions.to(self.cos_sin.device), self.cos_sin, self.rotary_dim)

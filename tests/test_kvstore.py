@@ -1,0 +1,76 @@
+"""Tiered KV store: round trip, corruption, fingerprint, LRU budget, delete."""
+
+import pytest
+import torch
+
+from inferscale.kvstore import (
+    BlobMissing,
+    ByteLRU,
+    ChecksumMismatch,
+    FingerprintMismatch,
+    KVBlob,
+    KVStore,
+)
+
+
+def _kv(tokens=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, tokens, 2, 16)
+    return (torch.randn(shape, generator=g).to(torch.bfloat16),
+            torch.randn(shape, generator=g).to(torch.bfloat16))
+
+
+def test_round_trip_and_tiers(tmp_path):
+    store = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
+    k, v = _kv()
+    stored = store.put("42", k, v, [1, 2, 3, 4, 5], window=5)
+    assert (tmp_path / stored.location).exists() and stored.nbytes > k.nbytes + v.nbytes
+    assert not list(tmp_path.rglob("*.tmp"))
+    fresh = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
+    blob = fresh.get(stored.location, stored.checksum)
+    assert torch.equal(blob.k, k) and torch.equal(blob.v, v) and blob.k.dtype == torch.bfloat16
+    assert blob.token_ids == [1, 2, 3, 4, 5] and blob.window == 5
+    assert stored.location in fresh.host
+    assert fresh.get(stored.location) is blob  # served from the host tier
+
+
+def test_corrupted_blob_raises_checksum_error(tmp_path):
+    store = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
+    stored = store.put("7", *_kv(), [1, 2, 3, 4, 5], window=0)
+    path = tmp_path / stored.location
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatch):
+        KVStore(tmp_path, "f" * 64, host_bytes=1 << 20).get(stored.location)
+    path.write_bytes(b"garbage")
+    with pytest.raises(ChecksumMismatch):
+        KVStore(tmp_path, "f" * 64, host_bytes=1 << 20).get(stored.location)
+    with pytest.raises(BlobMissing):
+        store.get("nope/xx/1.safetensors")
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path):
+    stored = KVStore(tmp_path, "a" * 64, host_bytes=1 << 20).put("1", *_kv(), [1] * 5, window=0)
+    with pytest.raises(FingerprintMismatch):
+        KVStore(tmp_path, "b" * 64, host_bytes=1 << 20).get(stored.location)
+
+
+def test_lru_keeps_within_byte_budget():
+    k, v = _kv(tokens=4)
+    blob = KVBlob(k=k, v=v, token_ids=[1] * 4, fingerprint="x", window=0)
+    lru = ByteLRU(budget_bytes=3 * blob.nbytes, tier="host")
+    for i in range(10):
+        lru.put(str(i), blob)
+        assert lru.used <= lru.budget
+        if i == 8:
+            assert lru.get("6") is blob  # refresh 6: 7 becomes the least recently used
+    assert len(lru) == 3 and {"6", "8", "9"} == {k for k in map(str, range(10)) if k in lru}
+
+
+def test_delete_removes_every_tier(tmp_path):
+    store = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
+    stored = store.put("9", *_kv(), [1] * 5, window=0)
+    store.get(stored.location)
+    assert store.delete([stored.location]) == 1
+    assert stored.location not in store.host and not (tmp_path / stored.location).exists()
