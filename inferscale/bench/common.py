@@ -1,0 +1,36 @@
+"""Shared helpers for benchmark output."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    import os
+
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def write_report(out_dir: Path, name: str, report: dict) -> Path:
+    """Save a benchmark report as JSON; returns the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **report}, indent=2))
+    return path
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    """A plain aligned table on stdout."""
+    cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c)
+                                            for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))

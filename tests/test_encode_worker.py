@@ -1,0 +1,111 @@
+"""Encode stage on the real Postgres: every ingested fact gets verified pre-RoPE KV, once."""
+
+import uuid
+
+import pytest
+import torch
+from sqlalchemy import select
+
+from helpers import sample_turns
+from inferscale.db.queries import claim_pending_facts, count_user_rows
+from inferscale.db.tables import facts
+from inferscale.encoder import FactEncoder
+from inferscale.fingerprint import model_fingerprint
+from inferscale.forget import forget_user
+from inferscale.kafka import ensure_topics, publish_turns
+from inferscale.kvstore import KVStore
+from workers.encode import EncodeWorker
+from workers.ingest import IngestWorker
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tiny_models):
+    return FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+
+
+async def _ingest(settings, engine, embedder, turns):
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
+    await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(drain=True)
+
+
+async def _user_facts(engine, user):
+    async with engine.connect() as conn:
+        return (await conn.execute(select(facts).where(facts.c.user_id == user)
+                                   .order_by(facts.c.ts))).all()
+
+
+async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, tiny_encoder,
+                                                   tiny_models, tmp_path):
+    settings = settings.model_copy(update={"window": 3, "encode_batch_size": 6})
+    turns = sample_turns()
+    user = turns[0].user_id
+    await _ingest(settings, engine, embedder, turns)
+    async with engine.begin() as conn:  # context = the 3 preceding facts, oldest first
+        claimed = {f.id: f for f in await claim_pending_facts(conn, 1000, 3, 3)}
+        rows = await _user_facts(engine, user)
+        fifth = claimed[rows[4].id]
+        assert fifth.context == [r.text for r in rows[1:4]]
+        await conn.rollback()
+    store = KVStore(tmp_path / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=1 << 30)
+    stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert stats.encoded >= len(turns) and stats.failed == 0
+    rows = await _user_facts(engine, user)
+    assert len(rows) == len(turns)
+    fresh = KVStore(store.root, store.fingerprint, host_bytes=1 << 30)
+    for row in rows:
+        assert row.kv_location and row.window == 3 and row.model_fingerprint == store.fingerprint
+        assert row.token_ids == tiny_encoder.layout.fact_segment(row.text)
+        assert row.token_count == len(row.token_ids)
+        blob = fresh.get(row.kv_location, row.kv_checksum)  # verifies checksum + fingerprint
+        assert blob.token_ids == row.token_ids
+        assert blob.k.shape[:2] == (tiny_encoder.config.num_hidden_layers, len(row.token_ids))
+    blobs_before = sorted(p.name for p in store.root.rglob("*.safetensors"))
+    # Redelivery: a replay of the topic creates no new facts and nothing to encode.
+    replay = settings.model_copy(update={"consumer_group": settings.consumer_group + "-r"})
+    await IngestWorker(replay, replay.kafka_bootstrap, engine, embedder).run(drain=True)
+    again = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert again.encoded == 0
+    assert sorted(p.name for p in store.root.rglob("*.safetensors")) == blobs_before
+    assert [r.kv_checksum for r in await _user_facts(engine, user)] == [
+        r.kv_checksum for r in rows]
+
+
+async def test_durable_write_error_is_recorded_and_bounded(settings, engine, embedder,
+                                                           tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"encode_max_attempts": 2, "window": 0})
+    turns = sample_turns()[:3]
+    user = turns[0].user_id
+    await _ingest(settings, engine, embedder, turns)
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the KV directory should be")
+    store = KVStore(blocked, "f" * 64, host_bytes=1 << 20)
+    worker = EncodeWorker(settings, engine, tiny_encoder, store)
+    await worker.run(drain=True)
+    rows = await _user_facts(engine, user)
+    assert all(r.kv_location is None for r in rows)
+    assert all(r.encode_attempts == 2 and "Error" in r.encode_error for r in rows)
+    # Bounded: after max attempts the facts are no longer claimed.
+    assert (await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)).failed == 0
+
+
+async def test_forget_removes_user_everywhere_and_spares_others(settings, engine, embedder,
+                                                                tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 2})
+    victim, other = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("victim", "other"))
+    await _ingest(settings, engine, embedder, sample_turns(victim)[:6] + sample_turns(other)[:6])
+    store = KVStore(tmp_path / "kv", "e" * 64, host_bytes=1 << 30)
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    victim_rows = await _user_facts(engine, victim)
+    for row in victim_rows:
+        store.get(row.kv_location)  # warm the host tier too
+    n_facts, n_blobs = await forget_user(engine, store, victim)
+    assert n_facts == n_blobs == 6
+    async with engine.connect() as conn:
+        assert await count_user_rows(conn, victim) == (0, 0)
+        assert await count_user_rows(conn, other) == (6, 6)
+    for row in victim_rows:
+        assert row.kv_location not in store.host
+        assert not (store.root / row.kv_location).exists()
+    for row in await _user_facts(engine, other):
+        assert store.get(row.kv_location, row.kv_checksum).token_ids == row.token_ids

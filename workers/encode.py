@@ -1,0 +1,155 @@
+"""Encode worker stage: facts without KV -> Context-Window Encoding -> durable KV + Postgres.
+
+Facts are claimed with ``FOR UPDATE SKIP LOCKED`` so several workers never encode the same
+fact at once; a batch that fails is retried fact by fact so one bad fact cannot block others,
+and every failure is recorded with its reason and retried a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from inferscale.db.queries import (
+    PendingFact,
+    claim_pending_facts,
+    record_encode_failure,
+    record_encoded,
+)
+from inferscale.encoder import FactEncoder
+from inferscale.fingerprint import model_fingerprint
+from inferscale.kvstore import KVStore
+from inferscale.model_prep import resolve_model_path
+from inferscale.settings import Settings
+
+log = logging.getLogger("inferscale.encode")
+
+PREAMBLE = "preamble"
+
+
+def ensure_preamble(encoder: FactEncoder, store: KVStore) -> str:
+    """Encode and store the preamble KV once per model; returns its location."""
+    location = store.location_for(PREAMBLE)
+    if not (store.root / location).exists():
+        span = encoder.encode_preamble()
+        store.put(PREAMBLE, span.k, span.v, span.token_ids, window=0)
+    return location
+
+
+def open_encoder_and_store(settings: Settings) -> tuple[FactEncoder, KVStore]:
+    """Load the model named by the settings and the KV store keyed by its fingerprint."""
+    model_path = resolve_model_path(settings)
+    encoder = FactEncoder(model_path, device=settings.device)
+    store = KVStore(settings.kv_path, model_fingerprint(model_path),
+                    host_bytes=settings.host_cache_bytes)
+    return encoder, store
+
+
+@dataclass
+class EncodeStats:
+    """Counters of one encode stage."""
+
+    encoded: int = 0
+    failed: int = 0
+    batches: int = 0
+
+
+class EncodeWorker:
+    """Polls for unencoded facts (woken early by the ingest stage) and encodes them in batches."""
+
+    def __init__(self, settings: Settings, engine: AsyncEngine, encoder: FactEncoder,
+                 store: KVStore, wake: asyncio.Event | None = None, poll_s: float = 1.0):
+        self.settings = settings
+        self.engine = engine
+        self.encoder = encoder
+        self.store = store
+        self.wake = wake or asyncio.Event()
+        self.poll_s = poll_s
+        self.stats = EncodeStats()
+        self._stop = asyncio.Event()
+        self._drain = False
+
+    def request_stop(self) -> None:
+        """Finish the current batch and stop."""
+        self._stop.set()
+        self.wake.set()
+
+    def request_drain(self) -> None:
+        """Stop once nothing is pending any more."""
+        self._drain = True
+        self.wake.set()
+
+    async def run(self, drain: bool = False) -> EncodeStats:
+        """Encode until stopped (or, with ``drain``, until nothing is pending)."""
+        loop = asyncio.get_running_loop()
+        preamble_ready = False
+        while not self._stop.is_set():
+            if not preamble_ready:
+                try:
+                    await loop.run_in_executor(None, ensure_preamble, self.encoder, self.store)
+                    preamble_ready = True
+                except OSError as exc:  # the durable tier is failing; retried next round
+                    log.warning("cannot store the preamble KV: %s", exc)
+            if await self.encode_pending():
+                continue
+            if drain or self._drain:
+                break
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.poll_s)
+            except TimeoutError:
+                pass
+        return self.stats
+
+    async def encode_pending(self) -> int:
+        """Encode one batch of pending facts; returns how many facts it handled."""
+        s = self.settings
+        async with self.engine.begin() as conn:
+            pending = await claim_pending_facts(conn, s.encode_batch_size, s.window,
+                                                s.encode_max_attempts)
+            if not pending:
+                return 0
+            loop = asyncio.get_running_loop()
+            done, failures = await loop.run_in_executor(None, self._encode_and_store, pending)
+            await record_encoded(conn, done)
+            for fact_id, error in failures:
+                await record_encode_failure(conn, fact_id, error)
+        self.stats.batches += 1
+        self.stats.encoded += len(done)
+        self.stats.failed += len(failures)
+        if failures:
+            log.warning("encode failed for %d facts: %s", len(failures), failures[0][1])
+        return len(pending)
+
+    def _encode_and_store(self, pending: list[PendingFact]
+                          ) -> tuple[list[dict], list[tuple[int, str]]]:
+        """Blocking: one batched forward pass, durable writes; isolates failures per fact."""
+        try:
+            return self._encode_batch(pending), []
+        except Exception as exc:  # noqa: BLE001 - retried fact by fact below to isolate it
+            if len(pending) == 1:
+                return [], [(pending[0].id, f"{type(exc).__name__}: {exc}")]
+        done, failures = [], []
+        for fact in pending:
+            try:
+                done += self._encode_batch([fact])
+            except Exception as exc:  # noqa: BLE001 - recorded and retried later
+                failures.append((fact.id, f"{type(exc).__name__}: {exc}"))
+        return done, failures
+
+    def _encode_batch(self, pending: list[PendingFact]) -> list[dict]:
+        items = [self.encoder.fact_item(f.text, f.context) for f in pending]
+        spans = self.encoder.encode(items)
+        rows = []
+        for fact, span in zip(pending, spans, strict=True):
+            stored = self.store.put(str(fact.id), span.k, span.v, span.token_ids,
+                                    window=self.settings.window)
+            rows.append({
+                "id": fact.id, "token_ids": span.token_ids, "window": self.settings.window,
+                "fingerprint": self.store.fingerprint, "location": stored.location,
+                "nbytes": stored.nbytes, "checksum": stored.checksum,
+            })
+        return rows
