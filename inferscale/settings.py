@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     server_port: int = 8000
     server_url: str | None = None
     api_keys: dict[str, list[str]] = Field(default_factory=dict)
+    plan_secret: str | None = None
+    max_model_len: int = 8192
+    vllm_kv_cache_gib: int = 2
 
     @property
     def infra_dir(self) -> Path:

@@ -1,0 +1,238 @@
+"""InferScaleConnector: vLLM KV connector that injects stored per-fact KV into paged blocks.
+
+Load with ``--kv-transfer-config '{"kv_connector": "InferScaleConnector",
+"kv_connector_module_path": "inferscale.connector", "kv_role": "kv_both",
+"kv_load_failure_policy": "recompute"}'``.
+
+Scheduler side (EngineCore): authenticates the request's signed plan, checks the prompt tokens
+of every segment, and claims the memory span (preamble + injected facts) minus the local
+prefix-cache hit, never the last prompt token. Worker side: pages the segments' KV in by id
+(device -> host -> durable), applies Chunked RoPE to all layers in one call and writes K/V with
+the attention backend's own cache-update op. A blob that is missing, corrupt, made for another
+model or does not match the prompt is reported as failed blocks, which vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from inferscale.fingerprint import model_fingerprint
+from inferscale.kvstore import KVBlobError, KVStore
+from inferscale.plan import PLAN_KEY, PlanError, Segment, verify
+from inferscale.rope import ChunkedRope
+from inferscale.settings import get_settings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("inferscale.connector")
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+@dataclass
+class LoadSpec:
+    """Positions ``[start, end)`` of one request to fill from ``segments`` into ``block_ids``."""
+
+    request_id: str
+    start: int
+    end: int
+    segments: list[Segment]
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class InferScaleMetadata(KVConnectorMetadata):
+    """Per-step metadata: ids and positions only, never KV."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class InferScaleConnector(KVConnectorBase_V1):
+    """Injects memory KV (preamble + facts) as an external prefix of the prompt."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        settings = get_settings()
+        if not settings.plan_secret:
+            raise RuntimeError("INFERSCALE_PLAN_SECRET is not set: start with `inferscale serve`")
+        self._secret = settings.plan_secret
+        self._block_size = vllm_config.cache_config.block_size
+        model_config = vllm_config.model_config
+        self._fingerprint = model_fingerprint(model_config.model)
+        self._pending: dict[str, LoadSpec] = {}
+        self._claimed: dict[str, int] = {}
+        self._failed_blocks: set[int] = set()
+        if role == KVConnectorRole.WORKER:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self._store = KVStore(settings.kv_path, self._fingerprint, settings.host_cache_bytes,
+                                  settings.device_cache_bytes, device=device)
+            self._rope = ChunkedRope(model_config.hf_config, model_config.dtype, device,
+                                     max_position=max(model_config.max_model_len, 1))
+            self._dtype = model_config.dtype
+        else:
+            self._store = KVStore(settings.kv_path, self._fingerprint, host_bytes=0)
+
+    # --- scheduler side -----------------------------------------------------------------------
+
+    def _plan_for(self, request: Request):
+        params = request.kv_transfer_params or {}
+        if PLAN_KEY not in params:
+            return None
+        try:
+            plan = verify(params[PLAN_KEY], self._secret)
+        except PlanError as exc:
+            log.warning("request %s: plan refused: %s", request.request_id, exc)
+            return None
+        if plan.fingerprint != self._fingerprint:
+            log.warning("request %s: plan for another model", request.request_id)
+            return None
+        return plan
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        plan = self._plan_for(request)
+        if plan is None:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        limit = len(prompt) - 1  # the last prompt token is always computed
+        segments: list[Segment] = []
+        for segment in plan.segments:
+            if segment.end > limit or prompt[segment.start:segment.end] != segment.token_ids:
+                break
+            if not (self._store.root / self._store.location_for(segment.name)).exists():
+                break
+            segments.append(segment)
+        end = segments[-1].end if segments else 0
+        if end <= num_computed_tokens:
+            return 0, False
+        self._pending[request.request_id] = LoadSpec(request.request_id, num_computed_tokens,
+                                                     end, segments)
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        spec = self._pending.get(request.request_id)
+        if spec is None:
+            return
+        if num_external_tokens <= 0:
+            del self._pending[request.request_id]
+            return
+        spec.block_ids = list(blocks.get_block_ids()[0])
+        self._claimed[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = InferScaleMetadata()
+        scheduled = {r.req_id: r for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = {req_id: cached.new_block_ids[i] for i, req_id in enumerate(cached.req_ids)
+                   if req_id in cached.resumed_req_ids}
+        for req_id in list(self._pending):
+            spec = self._pending[req_id]
+            if req_id in scheduled:
+                spec.block_ids = list(scheduled[req_id].block_ids[0])
+            elif req_id in resumed and resumed[req_id] is not None:
+                spec.block_ids = list(resumed[req_id][0])
+            else:
+                continue
+            meta.loads.append(spec)
+            del self._pending[req_id]
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._pending.pop(request.request_id, None)
+        injected = self._claimed.pop(request.request_id, 0)
+        if PLAN_KEY not in (request.kv_transfer_params or {}):
+            return False, None
+        return False, {"injected_tokens": injected}
+
+    # --- worker side --------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, InferScaleMetadata) or not meta.loads:
+            return
+        keys, values, slots = [], [], []
+        for spec in meta.loads:
+            try:
+                k, v = self._gather(spec)
+            except (KVBlobError, ValueError) as exc:
+                log.warning("request %s: falling back to prefill: %s", spec.request_id, exc)
+                self._failed_blocks |= self._blocks_of(spec)
+                continue
+            positions = torch.arange(spec.start, spec.end, device=k.device)
+            keys.append(self._rope.rotate(k, positions))
+            values.append(v)
+            slots.append(self._slots(spec, positions))
+        if not keys:
+            return
+        k, v = torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        slot_mapping = torch.cat(slots)
+        for index, layer in self._attention_layers(forward_context):
+            layer.impl.do_kv_cache_update(layer, k[index], v[index], layer.kv_cache,
+                                          slot_mapping)
+
+    def _gather(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions [start, end) from the plan's segments, [layers, tokens, heads, dim]."""
+        ks, vs = [], []
+        for segment in spec.segments:
+            if segment.end <= spec.start:
+                continue
+            blob = self._store.get(self._store.location_for(segment.name), segment.checksum)
+            if blob.token_ids != segment.token_ids:
+                raise ValueError(f"blob {segment.name} does not match the prompt tokens")
+            if blob.k.dtype != self._dtype:
+                raise ValueError(f"blob {segment.name} is {blob.k.dtype}, serving {self._dtype}")
+            skip = max(0, spec.start - segment.start)
+            ks.append(blob.k[:, skip:])
+            vs.append(blob.v[:, skip:])
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+
+    def _slots(self, spec: LoadSpec, positions: torch.Tensor) -> torch.Tensor:
+        blocks = torch.tensor(spec.block_ids, dtype=torch.long, device=positions.device)
+        return blocks[positions // self._block_size] * self._block_size + (
+            positions % self._block_size)
+
+    def _blocks_of(self, spec: LoadSpec) -> set[int]:
+        first, last = spec.start // self._block_size, (spec.end - 1) // self._block_size
+        return set(spec.block_ids[first:last + 1])
+
+    def _attention_layers(self, forward_context: ForwardContext):
+        layers = []
+        for name, layer in forward_context.no_compile_layers.items():
+            kv_cache = getattr(layer, "kv_cache", None)
+            match = _LAYER_INDEX.search(name)
+            if kv_cache is None or not hasattr(layer, "impl") or match is None:
+                continue
+            layers.append((int(match.group(1)), layer))
+        return layers
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
