@@ -115,6 +115,19 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.serve import start_server, stop_server
+
+    update = {k: v for k, v in (("server_host", args.host), ("server_port", args.port)) if v}
+    process = start_server(settings.model_copy(update=update), args.vllm_args)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_server(process)
+
+
 def _demo(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale.demo import SAMPLE, run_demo
 
@@ -158,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["prepare"])
     p.add_argument("--output", help="target folder (default: <data_dir>/models/...)")
     p.set_defaults(func=_model)
+
+    p = sub.add_parser("serve", help="vLLM OpenAI server with InferScale memory")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="extra vLLM arguments after --")
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode"])

@@ -21,3 +21,24 @@ KV_METRICS = _KVMetrics(
     page_in_bytes=Counter("inferscale_kv_page_in_bytes", "Bytes paged in from the durable tier"),
     page_in_seconds=Histogram("inferscale_kv_page_in_seconds", "Durable page-in latency"),
 )
+
+
+@dataclass(frozen=True)
+class _FrontendMetrics:
+    requests: Counter
+    facts: Counter
+    injected_tokens: Counter
+    prefilled_memory_tokens: Counter
+    fallbacks: Counter
+    retrieval_seconds: Histogram
+
+
+FRONTEND_METRICS = _FrontendMetrics(
+    requests=Counter("inferscale_memory_requests", "Memory requests", ["mode"]),
+    facts=Counter("inferscale_memory_facts", "Facts placed in prompts", ["how"]),
+    injected_tokens=Counter("inferscale_injected_tokens", "Prompt tokens planned for injection"),
+    prefilled_memory_tokens=Counter("inferscale_prefilled_memory_tokens",
+                                    "Memory tokens prefilled as text"),
+    fallbacks=Counter("inferscale_fallbacks", "Facts or requests served as text", ["reason"]),
+    retrieval_seconds=Histogram("inferscale_retrieval_seconds", "Embed + top-k latency"),
+)

@@ -1,0 +1,253 @@
+"""Memory front end inside vLLM's API server (``--middleware inferscale.frontend.MemoryFrontend``).
+
+A chat completion naming a memory owner (``user`` field or ``X-InferScale-User`` header) is
+rewritten before vLLM sees it: the last user message is embedded, the owner's top-k facts are
+retrieved, the prompt is composed with the memory layout and sent as token ids, with a signed
+injection plan for the encoded facts (``kv_transfer_params``) and a per-memory ``cache_salt``.
+Requests without an owner pass through untouched. Per request, ``"inferscale": {"mode": ...,
+"k": ...}`` in the body (or ``X-InferScale-Memory`` / ``X-InferScale-K`` headers) overrides the
+defaults; modes: ``inject`` (default), ``text`` (same facts prefilled as text), ``none``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from inferscale.metrics import FRONTEND_METRICS as M
+from inferscale.plan import PLAN_KEY, Plan, Segment, sign
+from inferscale.settings import Settings, get_settings
+
+log = logging.getLogger("inferscale.frontend")
+
+MODES = ("inject", "text", "none")
+MAX_K = 200
+CHAT_PATH = "/v1/chat/completions"
+GUARDED_PATHS = (CHAT_PATH, "/v1/completions", "/v1/responses")
+
+
+class FrontendError(Exception):
+    """A request the front end refuses, with its HTTP status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class MemoryPrompt:
+    """What the front end decided for one request."""
+
+    token_ids: list[int]
+    plan: Plan | None
+    facts_injected: int
+    facts_text: int
+    injected_tokens: int
+    text_memory_tokens: int
+    retrieval_ms: float
+
+
+class _Runtime:
+    """Per-process state, created on the first memory request (inside the server's loop)."""
+
+    def __init__(self, settings: Settings):
+        from transformers import AutoTokenizer
+
+        from inferscale.db.engine import create_engine
+        from inferscale.embedder import load_embedder
+        from inferscale.fingerprint import model_fingerprint
+        from inferscale.layout import MemoryLayout
+        from inferscale.model_prep import resolve_model_path
+
+        model_path = resolve_model_path(settings)
+        self.settings = settings
+        self.layout = MemoryLayout(AutoTokenizer.from_pretrained(model_path))
+        self.fingerprint = model_fingerprint(model_path)
+        self.embedder = load_embedder(settings.embedder)
+        self.engine = create_engine(settings=settings)
+
+
+def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
+                       ) -> tuple[str | None, str, int]:
+    owner = headers.get("x-inferscale-user") or data.get("user")
+    options = data.pop("inferscale", None) or {}
+    if not isinstance(options, dict):
+        raise FrontendError(400, "'inferscale' must be an object like {\"mode\": \"inject\"}")
+    mode = str(options.get("mode") or headers.get("x-inferscale-memory") or settings.memory_mode)
+    if mode not in MODES:
+        raise FrontendError(400, f"unknown memory mode {mode!r}; use one of {MODES}")
+    raw_k = options.get("k", headers.get("x-inferscale-k", settings.top_k))
+    try:
+        k = int(raw_k)
+    except (TypeError, ValueError):
+        raise FrontendError(400, f"k must be an integer, got {raw_k!r}") from None
+    if not 0 <= k <= MAX_K:
+        raise FrontendError(400, f"k must be between 0 and {MAX_K}")
+    if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
+        raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
+    return owner, mode, k
+
+
+def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
+    """With API keys configured, the bearer key must exist and may act for ``owner``."""
+    if not settings.api_keys:
+        return
+    auth = headers.get("authorization", "")
+    key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+    if key not in settings.api_keys:
+        raise FrontendError(401, "missing or unknown API key")
+    allowed = settings.api_keys[key]
+    if owner not in allowed and "*" not in allowed:
+        raise FrontendError(403, f"this API key may not read the memory of {owner!r}")
+
+
+def _messages(data: dict) -> tuple[list[dict], str]:
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise FrontendError(400, "'messages' must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(
+                m.get("role"), str):
+            raise FrontendError(400, "memory requests take text messages with role and content")
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+        raise FrontendError(400, "no user message to answer")
+    return messages, users[-1]
+
+
+async def compose(rt: _Runtime, owner: str, mode: str, k: int, messages: list[dict],
+                  query: str) -> MemoryPrompt:
+    """Retrieve the owner's facts and lay out the prompt (best fact last, as the paper does)."""
+    from inferscale.retrieval import retrieve
+
+    started = time.perf_counter()
+    facts = [] if mode == "none" else await retrieve(rt.engine, rt.embedder, owner, query, k)
+    retrieval_ms = (time.perf_counter() - started) * 1000
+    M.retrieval_seconds.observe(retrieval_ms / 1000)
+    facts.reverse()
+    injectable = [f for f in facts if mode == "inject" and f.kv_location and f.token_ids
+                  and f.model_fingerprint == rt.fingerprint]
+    as_text = [f for f in facts if f not in injectable]
+    if mode == "inject":
+        for f in as_text:
+            reason = "other_model" if f.kv_location else "not_encoded"
+            M.fallbacks.labels(reason).inc()
+    text_segments = [rt.layout.fact_segment(f.text) for f in as_text]
+    prompt = rt.layout.compose([list(f.token_ids) for f in injectable] + text_segments, messages)
+    plan = None
+    if mode == "inject":
+        plan_segments = [Segment("preamble", 0, list(rt.layout.preamble_ids))]
+        plan_segments += [Segment(str(f.id), start, list(f.token_ids), f.kv_checksum)
+                          for f, (start, _) in zip(injectable, prompt.fact_spans, strict=False)]
+        plan = Plan(rt.fingerprint, plan_segments)
+    injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
+    return MemoryPrompt(prompt.token_ids, plan, len(injectable), len(as_text), injected,
+                        sum(map(len, text_segments)), retrieval_ms)
+
+
+class MemoryFrontend:
+    """ASGI middleware: memory for owned chat completions, guard for every generation route."""
+
+    def __init__(self, app):
+        self.app = app
+        self.settings = get_settings()
+        self._runtime: _Runtime | None = None
+        self._lock = asyncio.Lock()
+
+    async def _rt(self) -> _Runtime:
+        async with self._lock:
+            if self._runtime is None:
+                loop = asyncio.get_running_loop()
+                self._runtime = await loop.run_in_executor(None, _Runtime, self.settings)
+        return self._runtime
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in (
+                GUARDED_PATHS):
+            return await self.app(scope, receive, send)
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            body, extra_headers = await self._rewrite(scope["path"], body, headers)
+        except FrontendError as exc:
+            return await _error(send, exc.status, exc.message)
+
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if delivered:  # after the body, the app only listens for the disconnect
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start" and extra_headers:
+                message = {**message, "headers": list(message.get("headers", []))
+                           + [(k.encode(), v.encode()) for k, v in extra_headers.items()]}
+            await send(message)
+
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                      if k.lower() != b"content-length"]
+                 + [(b"content-length", str(len(body)).encode())]}
+        await self.app(scope, replay, send_with_headers)
+
+    async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]
+                       ) -> tuple[bytes, dict[str, str]]:
+        try:
+            data = json.loads(body or b"{}")
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return body, {}  # vLLM answers 400 for malformed JSON itself
+        if not isinstance(data, dict):
+            return body, {}
+        if "kv_transfer_params" in data:
+            raise FrontendError(400, "kv_transfer_params is reserved for the InferScale front end")
+        if path != CHAT_PATH:
+            return body, {}
+        owner, mode, k = _owner_and_options(data, headers, self.settings)
+        if owner is None:
+            return json.dumps(data).encode(), {}
+        authorize(self.settings, headers, owner)
+        messages, query = _messages(data)
+        rt = await self._rt()
+        prompt = await compose(rt, owner, mode, k, messages, query)
+        params: dict = {"prompt_token_ids": prompt.token_ids}
+        if prompt.plan is not None:
+            params[PLAN_KEY] = sign(prompt.plan, self.settings.plan_secret or "")
+            digest = hashlib.sha256(json.dumps(
+                [owner, rt.fingerprint, [s.checksum for s in prompt.plan.segments],
+                 data.get("cache_salt")]).encode()).hexdigest()
+            data["cache_salt"] = f"inferscale-{digest[:32]}"
+        data["kv_transfer_params"] = params
+        M.requests.labels(mode).inc()
+        M.facts.labels("injected").inc(prompt.facts_injected)
+        M.facts.labels("text").inc(prompt.facts_text)
+        M.injected_tokens.inc(prompt.injected_tokens)
+        M.prefilled_memory_tokens.inc(prompt.text_memory_tokens)
+        return json.dumps(data).encode(), {
+            "x-inferscale-mode": mode,
+            "x-inferscale-facts": str(prompt.facts_injected + prompt.facts_text),
+            "x-inferscale-facts-injected": str(prompt.facts_injected),
+            "x-inferscale-prompt-tokens": str(len(prompt.token_ids)),
+            "x-inferscale-injected-tokens": str(prompt.injected_tokens),
+            "x-inferscale-prefilled-tokens": str(len(prompt.token_ids) - prompt.injected_tokens),
+            "x-inferscale-retrieval-ms": f"{prompt.retrieval_ms:.1f}",
+        }
+
+
+async def _error(send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"
+                                 if status == 400 else "authentication_error", "code": status}})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body.encode()})

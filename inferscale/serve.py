@@ -1,0 +1,107 @@
+"""`inferscale serve`: vLLM OpenAI server with the InferScale connector and memory front end."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from inferscale.db.engine import resolve_database_url
+from inferscale.model_prep import resolve_model_path
+from inferscale.settings import Settings
+
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "InferScaleConnector",
+    "kv_connector_module_path": "inferscale.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+
+
+def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
+    """The preamble blob must exist before the first injected request; encode it if missing."""
+    from inferscale.encoder import FactEncoder
+    from inferscale.fingerprint import model_fingerprint
+    from inferscale.kvstore import KVStore
+    from workers.encode import PREAMBLE, ensure_preamble
+
+    store = KVStore(settings.kv_path, model_fingerprint(model_path), host_bytes=0)
+    if not (store.root / store.location_for(PREAMBLE)).exists():
+        ensure_preamble(FactEncoder(model_path, device=settings.device), store)
+
+
+def server_command(settings: Settings, extra_args: list[str] | None = None
+                   ) -> tuple[list[str], dict[str, str]]:
+    """The vLLM server command line and environment for these settings."""
+    model_path = resolve_model_path(settings)
+    metrics_dir = settings.data_dir / "prometheus" / str(settings.server_port)
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "INFERSCALE_DATABASE_URL": resolve_database_url(settings),
+        "INFERSCALE_MODEL_PATH": str(model_path),
+        "INFERSCALE_KV_DIR": str(settings.kv_path),
+        "INFERSCALE_DATA_DIR": str(settings.data_dir),
+        "INFERSCALE_PLAN_SECRET": settings.plan_secret or secrets.token_hex(32),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                 str(settings.vllm_kv_cache_gib)),
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "HF_HUB_OFFLINE": "1",
+    }
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path), "--served-model-name", "inferscale",
+        "--host", settings.server_host, "--port", str(settings.server_port),
+        "--max-model-len", str(settings.max_model_len),
+        "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
+        "--middleware", "inferscale.frontend.MemoryFrontend",
+        *(extra_args or []),
+    ]
+    return argv, env
+
+
+def start_server(settings: Settings, extra_args: list[str] | None = None,
+                 log_path: Path | None = None) -> subprocess.Popen:
+    """Start the server in the background (after making sure the preamble KV exists)."""
+    ensure_preamble_kv(settings, resolve_model_path(settings))
+    argv, env = server_command(settings, extra_args)
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the process
+    return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Block until ``url``/health answers 200; raise if the server exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"vLLM server not ready after {timeout_s}s")
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM the server's process group, then SIGKILL if it lingers."""
+    import signal
+
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
