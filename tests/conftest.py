@@ -82,3 +82,43 @@ def tiny_models(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     kinds = ("llama", "qwen2", "qwen3")
     return {kind: tiny_model(kind, smollm2_dir, root / kind) for kind in kinds}
+
+
+class Server:
+    """A running `inferscale serve` (vLLM + connector + front end) for tests."""
+
+    def __init__(self, settings: Settings, url: str, process):
+        self.settings = settings
+        self.url = url
+        self.process = process
+
+    def chat(self, user: str | None, question: str, mode: str | None = None, k: int | None = None,
+             max_tokens: int = 24, headers: dict | None = None, **extra):
+        import httpx
+
+        body = {"model": "inferscale", "messages": [{"role": "user", "content": question}],
+                "max_tokens": max_tokens, "temperature": 0, **extra}
+        if user is not None:
+            body["user"] = user
+        options = {key: v for key, v in (("mode", mode), ("k", k)) if v is not None}
+        if options:
+            body["inferscale"] = options
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers or {},
+                          timeout=120)
+
+
+def start_test_server(settings: Settings, log_path: Path, extra_args: list[str]) -> Server:
+    from inferscale.serve import start_server, wait_ready
+
+    port = infra._free_port()
+    settings = settings.model_copy(update={"server_port": port, "vllm_kv_cache_gib": 1})
+    process = start_server(settings, extra_args, log_path=log_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process, timeout_s=600)
+    except Exception:
+        from inferscale.serve import stop_server
+
+        stop_server(process)
+        raise RuntimeError(f"server failed to start:\n{log_path.read_text()[-4000:]}") from None
+    return Server(settings, url, process)

@@ -36,3 +36,24 @@ async def read_topic(bootstrap: str, topic: str, expected: int,
     finally:
         await consumer.stop()
     return records
+
+
+async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, store=None) -> None:
+    """Publish turns, drain the ingest worker, then (optionally) encode every pending fact."""
+    from inferscale.kafka import ensure_topics, publish_turns
+    from workers.encode import EncodeWorker
+    from workers.ingest import IngestWorker
+
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
+    await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(drain=True)
+    if encoder is not None:
+        await EncodeWorker(settings, engine, encoder, store).run(drain=True)
+
+
+def turn(user: str, turn_id: str, speaker: str, text: str, day: int = 1) -> TurnEvent:
+    """A hand-made turn of a one-conversation user."""
+    from datetime import UTC, datetime
+
+    return TurnEvent(user_id=user, conversation_id=user, turn_id=turn_id, speaker=speaker,
+                     text=text, timestamp=datetime(2025, 5, day, 12, 0, tzinfo=UTC))

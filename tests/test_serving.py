@@ -1,0 +1,210 @@
+"""The query path through the real vLLM CPU engine: SmolLM2 + connector + memory front end."""
+
+import random
+import uuid
+
+import httpx
+import pytest
+from sqlalchemy import select, update
+
+from conftest import start_test_server
+from helpers import ingest_and_encode, sample_turns, turn
+from inferscale.db.tables import facts
+from inferscale.encoder import FactEncoder
+from inferscale.fingerprint import model_fingerprint
+from inferscale.kvstore import KVStore
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(base_settings, smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    settings = base_settings.model_copy(update={
+        "model_path": smollm2_dir, "kv_dir": root / "kv", "data_dir": root, "window": 3,
+        "top_k": 5})
+    server = start_test_server(settings, root / "server.log",
+                               ["--enable-prompt-tokens-details", "--enforce-eager"])
+    yield server
+    from inferscale.serve import stop_server
+
+    stop_server(server.process)
+
+
+@pytest.fixture(scope="module")
+def smol(served, smollm2_dir):
+    encoder = FactEncoder(smollm2_dir, device="cpu")
+    store = KVStore(served.settings.kv_path, model_fingerprint(smollm2_dir), host_bytes=1 << 30)
+    return encoder, store
+
+
+@pytest.fixture
+def cfg(served, settings):
+    """Per-test topics with the server's model, KV directory and window."""
+    return settings.model_copy(update={k: getattr(served.settings, k) for k in (
+        "model_path", "kv_dir", "data_dir", "window", "top_k")})
+
+
+async def _memory_tokens(engine, user: str, encoder) -> int:
+    async with engine.connect() as conn:
+        counts = (await conn.execute(select(facts.c.token_count).where(
+            facts.c.user_id == user))).scalars().all()
+    return len(encoder.layout.preamble_ids) + sum(counts)
+
+
+async def test_stored_fact_answers_with_injected_kv(served, smol, cfg, engine, embedder):
+    encoder, store = smol
+    turns = sample_turns()
+    user = turns[0].user_id
+    await ingest_and_encode(cfg, engine, embedder, turns, encoder, store)
+    response = served.chat(user, "What is the name of Sam's octopus at the aquarium?", k=5)
+    assert response.status_code == 200, response.text
+    answer = response.json()["choices"][0]["message"]["content"]
+    assert "Pickles" in answer
+    h = response.headers
+    assert h["x-inferscale-mode"] == "inject" and h["x-inferscale-facts-injected"] == "5"
+    injected, prefilled = int(h["x-inferscale-injected-tokens"]), int(
+        h["x-inferscale-prefilled-tokens"])
+    assert response.json()["kv_transfer_params"]["injected_tokens"] == injected
+    async with engine.connect() as conn:
+        planned = (await conn.execute(select(facts.c.token_count).where(
+            facts.c.user_id == user, facts.c.kv_location.is_not(None)))).scalars().all()
+    assert injected > len(encoder.layout.preamble_ids) + 4 * min(planned)
+    assert prefilled < injected
+    assert injected + prefilled == response.json()["usage"]["prompt_tokens"]
+    # The same facts prefilled as text give the same answer; no memory does not know it.
+    text = served.chat(user, "What is the name of Sam's octopus at the aquarium?", mode="text")
+    assert "Pickles" in text.json()["choices"][0]["message"]["content"]
+    assert text.headers["x-inferscale-injected-tokens"] == "0"
+    assert text.json()["usage"]["prompt_tokens"] == injected + prefilled
+    # Streaming works with memory exactly as without it.
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", timeout=120, json={
+            "model": "inferscale", "user": user, "stream": True, "max_tokens": 12,
+            "temperature": 0, "messages": [{"role": "user", "content":
+                                            "What is the name of Sam's octopus?"}]}) as stream:
+        chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) > 2 and stream.headers["x-inferscale-mode"] == "inject"
+
+
+async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedder):
+    encoder, store = smol
+    a, b = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("ann", "bob"))
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(a, "t1", "Alex", "My favourite colour is green, like fresh grass."),
+        turn(a, "t2", "Alex", "I live in Oslo with my two cats."),
+        turn(b, "t1", "Alex", "My favourite colour is purple, like lavender."),
+        turn(b, "t2", "Alex", "I live in Madrid with my parrot."),
+    ], encoder, store)
+    question = "What is Alex's favourite colour?"
+    assert "green" in served.chat(a, question).json()["choices"][0]["message"]["content"].lower()
+    assert "purple" in served.chat(b, question).json()["choices"][0]["message"]["content"].lower()
+
+    from inferscale.frontend import _Runtime, compose
+
+    rt = _Runtime(served.settings)
+    owners: dict[int, str] = {}
+    async with engine.connect() as conn:
+        for fid, owner in (await conn.execute(select(facts.c.id, facts.c.user_id))).all():
+            owners[fid] = owner
+    users = sorted(set(owners.values()))
+    rng = random.Random(7)
+    queries = ["colour", "where do I live", "pets", "job", "octopus", "music", "food", "city"]
+    foreign = 0
+    for _ in range(300):
+        user = rng.choice(users)
+        prompt = await compose(rt, user, "inject", rng.choice([1, 5, 20]), [
+            {"role": "user", "content": rng.choice(queries)}], rng.choice(queries))
+        foreign += sum(owners[int(s.name)] != user for s in prompt.plan.segments[1:])
+    await rt.engine.dispose()
+    assert foreign == 0
+
+
+async def test_unencoded_facts_fall_back_to_text(served, cfg, engine, embedder):
+    user = f"late-{uuid.uuid4().hex[:6]}"
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, "t1", "Cleo", "My sister's name is Rosalind and she lives in Dublin."),
+        turn(user, "t2", "Cleo", "I drive a blue tram for a living.")])
+    response = served.chat(user, "What is the name of Cleo's sister?", k=2)
+    assert response.status_code == 200
+    assert response.headers["x-inferscale-facts"] == "2"
+    assert response.headers["x-inferscale-facts-injected"] == "0"
+    assert "Rosalind" in response.json()["choices"][0]["message"]["content"]
+
+
+async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, embedder):
+    encoder, store = smol
+    user = f"bad-{uuid.uuid4().hex[:6]}"
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, "t1", "Dana", "My dog is called Waffles and he is a beagle."),
+        turn(user, "t2", "Dana", "I work as a florist in Bruges.")], encoder, store)
+    question = "What is the name of Dana's dog?"
+    expected = served.chat(user, question, mode="text").json()["choices"][0]["message"]
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(facts.c.id, facts.c.kv_location).where(
+            facts.c.user_id == user))).all()
+    for row in rows:  # corrupt one blob's bytes, replace the other with another model's blob
+        path = store.root / row.kv_location
+        raw = bytearray(path.read_bytes())
+        raw[-10] ^= 0x55
+        path.write_bytes(bytes(raw))
+        break
+    other = KVStore(store.root / "other", "0" * 64, host_bytes=0)
+    blob = store.get(store.location_for("preamble"))
+    moved = other.put(str(rows[1].id), blob.k, blob.v, blob.token_ids, window=0)
+    (store.root / rows[1].kv_location).write_bytes((other.root / moved.location).read_bytes())
+    response = served.chat(user, question)
+    assert response.status_code == 200
+    assert response.headers["x-inferscale-facts-injected"] == "2"  # planned, then refused
+    assert response.json()["choices"][0]["message"] == expected
+    # A fact encoded for another model is not even planned for injection.
+    async with engine.begin() as conn:
+        await conn.execute(update(facts).where(facts.c.user_id == user).values(
+            model_fingerprint="f" * 64))
+    refused = served.chat(user, question)
+    assert refused.headers["x-inferscale-facts-injected"] == "0"
+    assert refused.json()["choices"][0]["message"] == expected
+
+
+async def test_plain_request_never_reuses_injected_blocks(served, smol, cfg, engine, embedder):
+    encoder, store = smol
+    user = f"salt-{uuid.uuid4().hex[:6]}"
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, f"t{i}", "Eve", f"On day {i} I planted {i} tulips in the north garden bed.")
+        for i in range(1, 9)], encoder, store)
+    question = "How many tulips did I plant on day 3?"
+    first = served.chat(user, question, k=8)
+    assert int(first.headers["x-inferscale-injected-tokens"]) > 64
+    again = served.chat(user, question, k=8)  # same user and memory: may reuse its own blocks
+    assert again.json()["choices"][0] == first.json()["choices"][0]
+    text = served.chat(user, question, k=8, mode="text")  # same token ids, no salt
+    details = text.json()["usage"]["prompt_tokens_details"] or {}
+    assert (details.get("cached_tokens") or 0) == 0
+    assert text.json()["usage"]["prompt_tokens"] == first.json()["usage"]["prompt_tokens"]
+
+
+async def test_memory_encoded_after_start_is_used(served, smol, cfg, engine, embedder):
+    encoder, store = smol
+    user = f"live-{uuid.uuid4().hex[:6]}"
+    before = served.chat(user, "What is Finn's favourite number?")
+    assert before.headers["x-inferscale-facts"] == "0"
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, "t1", "Finn", "My favourite number is forty-two.")], encoder, store)
+    after = served.chat(user, "What is Finn's favourite number?")
+    assert after.headers["x-inferscale-facts-injected"] == "1"
+    assert "42" in after.json()["choices"][0]["message"]["content"] or "forty" in after.json()[
+        "choices"][0]["message"]["content"].lower()
+
+
+def test_bad_requests_get_4xx_with_a_message(served):
+    assert served.chat("u", "hi", mode="telepathy").status_code == 400
+    assert "unknown memory mode" in served.chat("u", "hi", mode="x").json()["error"]["message"]
+    assert served.chat("u", "hi", k=-1).status_code == 400
+    forged = httpx.post(f"{served.url}/v1/chat/completions", timeout=30, json={
+        "model": "inferscale", "messages": [{"role": "user", "content": "hi"}],
+        "kv_transfer_params": {"inferscale": {"segments": []}}})
+    assert forged.status_code == 400 and "reserved" in forged.json()["error"]["message"]
+    plain = served.chat(None, "Say hello.", max_tokens=4)
+    assert plain.status_code == 200 and "x-inferscale-mode" not in plain.headers
+    metrics = httpx.get(f"{served.url}/metrics", timeout=30).text
+    assert "inferscale_memory_requests_total" in metrics
+    assert "inferscale_kv_page_in_seconds_count" in metrics
