@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from inferscale.fingerprint import model_fingerprint
 from inferscale.kvstore import KVBlobError, KVStore
+from inferscale.metrics import KV_METRICS
 from inferscale.plan import PLAN_KEY, PlanError, Segment, verify
 from inferscale.rope import ChunkedRope
 from inferscale.settings import get_settings
@@ -168,12 +169,17 @@ class InferScaleConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, InferScaleMetadata) or not meta.loads:
             return
+        with KV_METRICS.inject_seconds.time():
+            self._load(meta.loads, forward_context)
+
+    def _load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
         keys, values, slots = [], [], []
-        for spec in meta.loads:
+        for spec in loads:
             try:
                 k, v = self._gather(spec)
             except (KVBlobError, ValueError) as exc:
                 log.warning("request %s: falling back to prefill: %s", spec.request_id, exc)
+                KV_METRICS.load_failures.labels(getattr(exc, "reason", "mismatch")).inc()
                 self._failed_blocks |= self._blocks_of(spec)
                 continue
             positions = torch.arange(spec.start, spec.end, device=k.device)
@@ -184,6 +190,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             return
         k, v = torch.cat(keys, dim=1), torch.cat(values, dim=1)
         slot_mapping = torch.cat(slots)
+        KV_METRICS.injected_tokens.inc(len(slot_mapping))
         for index, layer in self._attention_layers(forward_context):
             layer.impl.do_kv_cache_update(layer, k[index], v[index], layer.kv_cache,
                                           slot_mapping)

@@ -13,6 +13,9 @@ class _KVMetrics:
     evictions: Counter
     page_in_bytes: Counter
     page_in_seconds: Histogram
+    load_failures: Counter
+    injected_tokens: Counter
+    inject_seconds: Histogram
 
 
 KV_METRICS = _KVMetrics(
@@ -20,6 +23,11 @@ KV_METRICS = _KVMetrics(
     evictions=Counter("inferscale_kv_cache_evictions", "KV cache evictions", ["tier"]),
     page_in_bytes=Counter("inferscale_kv_page_in_bytes", "Bytes paged in from the durable tier"),
     page_in_seconds=Histogram("inferscale_kv_page_in_seconds", "Durable page-in latency"),
+    load_failures=Counter("inferscale_kv_load_failures",
+                          "Injections refused and recomputed by vLLM", ["reason"]),
+    injected_tokens=Counter("inferscale_kv_injected_tokens", "Tokens written into vLLM's cache"),
+    inject_seconds=Histogram("inferscale_kv_inject_seconds", "Connector load time per step",
+                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1)),
 )
 
 

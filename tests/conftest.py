@@ -6,6 +6,7 @@ the suite runs against them; otherwise it starts the embedded tansu broker and P
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -107,18 +108,20 @@ class Server:
                           timeout=120)
 
 
-def start_test_server(settings: Settings, log_path: Path, extra_args: list[str]) -> Server:
-    from inferscale.serve import start_server, wait_ready
+@contextlib.contextmanager
+def running_server(settings: Settings, log_path: Path, extra_args: list[str]):
+    """Start `inferscale serve` on a free port for a test module; stop it afterwards."""
+    from inferscale.serve import start_server, stop_server, wait_ready
 
     port = infra._free_port()
     settings = settings.model_copy(update={"server_port": port, "vllm_kv_cache_gib": 1})
     process = start_server(settings, extra_args, log_path=log_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, process, timeout_s=600)
-    except Exception:
-        from inferscale.serve import stop_server
-
+        try:
+            wait_ready(url, process, timeout_s=600)
+        except Exception:
+            raise RuntimeError(f"server failed:\n{log_path.read_text()[-4000:]}") from None
+        yield Server(settings, url, process)
+    finally:
         stop_server(process)
-        raise RuntimeError(f"server failed to start:\n{log_path.read_text()[-4000:]}") from None
-    return Server(settings, url, process)

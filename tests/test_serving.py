@@ -7,7 +7,7 @@ import httpx
 import pytest
 from sqlalchemy import select, update
 
-from conftest import start_test_server
+from conftest import running_server
 from helpers import ingest_and_encode, sample_turns, turn
 from inferscale.db.tables import facts
 from inferscale.encoder import FactEncoder
@@ -23,12 +23,9 @@ def served(base_settings, smollm2_dir, tmp_path_factory):
     settings = base_settings.model_copy(update={
         "model_path": smollm2_dir, "kv_dir": root / "kv", "data_dir": root, "window": 3,
         "top_k": 5})
-    server = start_test_server(settings, root / "server.log",
-                               ["--enable-prompt-tokens-details", "--enforce-eager"])
-    yield server
-    from inferscale.serve import stop_server
-
-    stop_server(server.process)
+    with running_server(settings, root / "server.log",
+                        ["--enable-prompt-tokens-details", "--enforce-eager"]) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +40,13 @@ def cfg(served, settings):
     """Per-test topics with the server's model, KV directory and window."""
     return settings.model_copy(update={k: getattr(served.settings, k) for k in (
         "model_path", "kv_dir", "data_dir", "window", "top_k")})
+
+
+def _metric(server, name: str) -> float:
+    """Sum of a Prometheus metric's samples over all label sets."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
 
 
 async def _memory_tokens(engine, user: str, encoder) -> int:
@@ -66,12 +70,13 @@ async def test_stored_fact_answers_with_injected_kv(served, smol, cfg, engine, e
     injected, prefilled = int(h["x-inferscale-injected-tokens"]), int(
         h["x-inferscale-prefilled-tokens"])
     assert response.json()["kv_transfer_params"]["injected_tokens"] == injected
-    async with engine.connect() as conn:
-        planned = (await conn.execute(select(facts.c.token_count).where(
-            facts.c.user_id == user, facts.c.kv_location.is_not(None)))).scalars().all()
-    assert injected > len(encoder.layout.preamble_ids) + 4 * min(planned)
-    assert prefilled < injected
     assert injected + prefilled == response.json()["usage"]["prompt_tokens"]
+    # With every fact retrieved, exactly the memory (preamble + all facts) is injected.
+    everything = served.chat(user, "Tell me about Sam.", k=50, max_tokens=4)
+    memory = await _memory_tokens(engine, user, encoder)
+    assert int(everything.headers["x-inferscale-injected-tokens"]) == memory
+    assert everything.json()["kv_transfer_params"]["injected_tokens"] == memory
+    assert int(everything.headers["x-inferscale-prefilled-tokens"]) < memory
     # The same facts prefilled as text give the same answer; no memory does not know it.
     text = served.chat(user, "What is the name of Sam's octopus at the aquarium?", mode="text")
     assert "Pickles" in text.json()["choices"][0]["message"]["content"]
@@ -152,9 +157,11 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
     blob = store.get(store.location_for("preamble"))
     moved = other.put(str(rows[1].id), blob.k, blob.v, blob.token_ids, window=0)
     (store.root / rows[1].kv_location).write_bytes((other.root / moved.location).read_bytes())
+    failures_before = _metric(served, "inferscale_kv_load_failures_total")
     response = served.chat(user, question)
     assert response.status_code == 200
     assert response.headers["x-inferscale-facts-injected"] == "2"  # planned, then refused
+    assert _metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
     assert response.json()["choices"][0]["message"] == expected
     # A fact encoded for another model is not even planned for injection.
     async with engine.begin() as conn:
