@@ -112,6 +112,18 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.bench import encode
 
         encode.run(resolve_model_path(settings), data, out, facts=args.n)
+    elif args.which == "ttft":
+        from inferscale.bench import ttft
+
+        ttft.run(settings, data, out, n_queries=args.n)
+    elif args.which == "ingest":
+        from inferscale.bench import ingest
+
+        ingest.run(settings, data, out, limit=args.n)
+    elif args.which == "freshness":
+        from inferscale.bench import freshness
+
+        freshness.run(settings, out, n=args.n)
     return 0
 
 
@@ -126,6 +138,14 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     finally:
         stop_server(process)
+
+
+def _eval(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale import evaluate
+
+    evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
+                 questions=args.questions, ks=tuple(args.k), windows=tuple(args.w))
+    return 0
 
 
 def _demo(args: argparse.Namespace, settings: Settings) -> int:
@@ -179,13 +199,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
-    p.add_argument("which", choices=["encode"])
+    p.add_argument("which", choices=["encode", "ttft", "ingest", "freshness"])
     p.add_argument("--data", default=str(Path(__file__).parent / "data" /
                                          "sample_conversation.json"),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
-    p.add_argument("-n", type=int, default=64, help="facts / queries per configuration")
+    p.add_argument("-n", type=int, default=20, help="facts / queries per configuration")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("eval", help="LoCoMo answer accuracy: inject vs text vs none")
+    p.add_argument("dataset", choices=["locomo"])
+    p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--conversations", type=int, default=1)
+    p.add_argument("--questions", type=int, default=25, help="QA items per conversation")
+    p.add_argument("--k", type=int, nargs="+", default=[5, 20])
+    p.add_argument("--w", type=int, nargs="+", default=[0, 5], help="encoding windows")
+    p.set_defaults(func=_eval)
 
     p = sub.add_parser("demo", help="run the whole pipeline on embedded defaults")
     p.add_argument("--file", help="a LoCoMo-format conversation (default: the shipped sample)")

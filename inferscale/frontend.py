@@ -44,6 +44,7 @@ class MemoryPrompt:
     """What the front end decided for one request."""
 
     token_ids: list[int]
+    fact_ids: list[int]  # prompt order: injected facts, then text facts
     plan: Plan | None
     facts_injected: int
     facts_text: int
@@ -146,7 +147,8 @@ async def compose(rt: _Runtime, owner: str, mode: str, k: int, messages: list[di
                           for f, (start, _) in zip(injectable, prompt.fact_spans, strict=False)]
         plan = Plan(rt.fingerprint, plan_segments)
     injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
-    return MemoryPrompt(prompt.token_ids, plan, len(injectable), len(as_text), injected,
+    fact_ids = [f.id for f in injectable + as_text]
+    return MemoryPrompt(prompt.token_ids, fact_ids, plan, len(injectable), len(as_text), injected,
                         sum(map(len, text_segments)), retrieval_ms)
 
 
@@ -238,6 +240,7 @@ class MemoryFrontend:
             "x-inferscale-mode": mode,
             "x-inferscale-facts": str(prompt.facts_injected + prompt.facts_text),
             "x-inferscale-facts-injected": str(prompt.facts_injected),
+            "x-inferscale-fact-ids": ",".join(map(str, prompt.fact_ids)),
             "x-inferscale-prompt-tokens": str(len(prompt.token_ids)),
             "x-inferscale-injected-tokens": str(prompt.injected_tokens),
             "x-inferscale-prefilled-tokens": str(len(prompt.token_ids) - prompt.injected_tokens),

@@ -1,0 +1,86 @@
+"""Freshness: a turn published to Kafka -> the first query whose prompt uses its fact."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+from sqlalchemy import select
+
+from inferscale.bench.client import stream_chat
+from inferscale.bench.common import print_table, write_report
+from inferscale.db.engine import create_engine
+from inferscale.db.tables import facts
+from inferscale.events import TurnEvent
+from inferscale.kafka import ensure_topics, make_producer
+from inferscale.settings import Settings
+from inferscale.stack import prepare, server_process, worker_process
+
+
+async def _fresh(settings: Settings, url: str, n: int, poll_s: float) -> list[dict]:
+    user = f"fresh-{uuid.uuid4().hex[:6]}"
+    engine = create_engine(settings.database_url)
+    producer = make_producer(settings.kafka_bootstrap)
+    await producer.start()
+    results = []
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            await stream_chat(client, url, user, "warm-up", "inject", 5, max_tokens=1)
+            for i in range(n):
+                code = f"{uuid.uuid4().hex[:6]}"
+                event = TurnEvent(user_id=user, conversation_id=user, turn_id=f"t{i}",
+                                  speaker="Kim", text=f"My locker code number {i} is {code}.",
+                                  timestamp=datetime.now(UTC))
+                published = time.perf_counter()
+                await producer.send_and_wait(settings.turns_topic, event.to_bytes(),
+                                             key=user.encode())
+                fact_id = injected_at = used_at = None
+                while injected_at is None and time.perf_counter() - published < 300:
+                    if fact_id is None:
+                        async with engine.connect() as conn:
+                            fact_id = await conn.scalar(select(facts.c.id).where(
+                                facts.c.user_id == user, facts.c.turn_ids == [f"t{i}"]))
+                    result = await stream_chat(client, url, user,
+                                               f"What is locker code number {i}?", "inject", 50,
+                                               max_tokens=1)
+                    ids = result.headers.get("x-inferscale-fact-ids", "").split(",")
+                    injected = int(result.headers.get("x-inferscale-facts-injected", 0))
+                    if fact_id is not None and str(fact_id) in ids:
+                        used_at = used_at or time.perf_counter() - published
+                        if str(fact_id) in ids[:injected]:
+                            injected_at = time.perf_counter() - published
+                    await asyncio.sleep(poll_s)
+                results.append({"turn": i, "used_as_text_s": used_at, "injected_s": injected_at})
+                print(f"turn {i}: in a prompt after {used_at:.2f}s, injected as KV after "
+                      f"{injected_at:.2f}s", flush=True)
+    finally:
+        await producer.stop()
+        await engine.dispose()
+    return results
+
+
+def run(settings: Settings, out_dir: Path, n: int = 20, poll_s: float = 0.05) -> dict:
+    """Worker + server running; publish ``n`` turns one at a time and poll until used."""
+    settings = prepare(settings)
+    with worker_process(settings, out_dir / "worker.log"), server_process(
+            settings, out_dir / "server.log") as url:
+        asyncio.run(ensure_topics(settings.kafka_bootstrap, [settings.turns_topic]))
+        results = asyncio.run(_fresh(settings, url, n, poll_s))
+    used = [r["used_as_text_s"] for r in results]
+    injected = [r["injected_s"] for r in results if r["injected_s"] is not None]
+
+    def pct(values: list[float], q: int) -> float:
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+    rows = [["in a prompt (text or KV)", pct(used, 50), pct(used, 95)],
+            ["injected as KV", pct(injected, 50), pct(injected, 95)]]
+    print_table(["publish -> first query using the fact", "p50 s", "p95 s"], rows)
+    report = {"n": n, "results": results, "p50_used_s": rows[0][1], "p95_used_s": rows[0][2],
+              "p50_injected_s": rows[1][1], "p95_injected_s": rows[1][2]}
+    write_report(out_dir, "freshness", report)
+    return report

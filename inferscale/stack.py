@@ -1,0 +1,97 @@
+"""The whole stack on one machine: embedded infra, schema, model, worker and server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+from tqdm import tqdm
+
+from inferscale import infra, migrate
+from inferscale.db.tables import facts
+from inferscale.model_prep import resolve_model_path
+from inferscale.settings import Settings
+
+ENV_FIELDS = ("kafka_bootstrap", "database_url", "data_dir", "model_path", "kv_dir", "window",
+              "turns_topic", "dead_letter_topic", "consumer_group", "top_k", "embedder")
+
+
+def prepare(settings: Settings) -> Settings:
+    """Start (or reuse) embedded infra where none is configured, migrate, prepare the model."""
+    if not (settings.kafka_bootstrap and settings.database_url):
+        endpoints = infra.up(settings)
+        settings = settings.model_copy(update={
+            "kafka_bootstrap": settings.kafka_bootstrap or endpoints.kafka_bootstrap,
+            "database_url": settings.database_url or endpoints.database_url})
+    migrate.upgrade(settings.database_url)
+    return settings.model_copy(update={"model_path": resolve_model_path(settings),
+                                       "kv_dir": settings.kv_path})
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """Environment that makes a child process read the same settings."""
+    env = dict(os.environ)
+    for name in ENV_FIELDS:
+        value = getattr(settings, name)
+        if value is not None:
+            env[f"INFERSCALE_{name.upper()}"] = str(value)
+    return env
+
+
+@contextlib.contextmanager
+def worker_process(settings: Settings, log_path: Path) -> Iterator[subprocess.Popen]:
+    """An `inferscale worker` (ingest + encode) in its own process; SIGTERM on exit."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "worker"],
+                                   env=settings_env(settings), stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@contextlib.contextmanager
+def server_process(settings: Settings, log_path: Path, extra_args: list[str] | None = None,
+                   timeout_s: float = 600) -> Iterator[str]:
+    """`inferscale serve` in the background; yields its URL once healthy."""
+    from inferscale.serve import start_server, stop_server, wait_ready
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    process = start_server(settings, extra_args, log_path=log_path)
+    url = f"http://{settings.server_host}:{settings.server_port}"
+    try:
+        wait_ready(url, process, timeout_s)
+        yield url
+    finally:
+        stop_server(process)
+
+
+async def wait_encoded(engine: AsyncEngine, user: str, expected: int, timeout_s: float = 1800,
+                       progress: bool = True) -> float:
+    """Wait until ``expected`` facts of ``user`` have KV; returns the seconds waited."""
+    started = time.monotonic()
+    with tqdm(total=expected, desc="facts encoded", unit="fact", disable=not progress) as bar:
+        while True:
+            async with engine.connect() as conn:
+                done = await conn.scalar(select(func.count()).where(
+                    facts.c.user_id == user, facts.c.kv_location.is_not(None)))
+            bar.update(done - bar.n)
+            if done >= expected:
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"only {done}/{expected} facts encoded after {timeout_s}s")
+            await asyncio.sleep(1.0)
