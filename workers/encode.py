@@ -24,6 +24,7 @@ from inferscale.fingerprint import model_fingerprint
 from inferscale.kvstore import KVStore
 from inferscale.model_prep import resolve_model_path
 from inferscale.settings import Settings
+from workers import observe
 
 log = logging.getLogger("inferscale.encode")
 
@@ -113,13 +114,17 @@ class EncodeWorker:
             if not pending:
                 return 0
             loop = asyncio.get_running_loop()
-            done, failures = await loop.run_in_executor(None, self._encode_and_store, pending)
+            with observe.BATCH_SECONDS.labels("encode").time():
+                done, failures = await loop.run_in_executor(None, self._encode_and_store,
+                                                            pending)
             await record_encoded(conn, done)
             for fact_id, error in failures:
                 await record_encode_failure(conn, fact_id, error)
         self.stats.batches += 1
         self.stats.encoded += len(done)
         self.stats.failed += len(failures)
+        observe.FACTS_ENCODED.inc(len(done))
+        observe.ENCODE_FAILURES.inc(len(failures))
         if failures:
             log.warning("encode failed for %d facts: %s", len(failures), failures[0][1])
         return len(pending)

@@ -24,6 +24,7 @@ from inferscale.events import InvalidEvent, TurnEvent, parse_turn
 from inferscale.extract import get_extractor
 from inferscale.kafka import ensure_topics, make_producer
 from inferscale.settings import Settings
+from workers import observe
 
 log = logging.getLogger("inferscale.ingest")
 
@@ -59,6 +60,7 @@ class IngestWorker:
         engine: AsyncEngine,
         embedder: Embedder | None = None,
         after_store: Callable[[dict[TopicPartition, int]], Awaitable[None]] | None = None,
+        backlog: Callable[[], Awaitable[int]] | None = None,
     ):
         self.settings = settings
         self.bootstrap = bootstrap
@@ -66,8 +68,11 @@ class IngestWorker:
         self.embedder = embedder
         self.extract = get_extractor(settings.extractor)
         self.after_store = after_store
+        self.backlog = backlog
         self.stats = IngestStats()
+        self.ready = False
         self._stop = asyncio.Event()
+        self._backlog_checked = 0.0
 
     def request_stop(self) -> None:
         """Finish the current batch, commit, leave the group."""
@@ -91,19 +96,22 @@ class IngestWorker:
         await producer.start()
         await consumer.start()
         idle_since = time.monotonic()
+        self.ready = True
         try:
             while not self._stop.is_set():
+                await self._apply_back_pressure(consumer)
                 batch = await consumer.getmany(
                     timeout_ms=s.ingest_poll_ms, max_records=s.ingest_batch_size
                 )
                 records = [r for part in batch.values() for r in part]
                 if not records:
-                    if drain and consumer.assignment() and (
+                    if drain and consumer.assignment() and not consumer.paused() and (
                         time.monotonic() - idle_since >= s.drain_idle_s
                     ):
                         break
                     continue
-                await self._handle(records, producer)
+                with observe.BATCH_SECONDS.labels("ingest").time():
+                    await self._handle(records, producer)
                 offsets = {tp: part[-1].offset + 1 for tp, part in batch.items() if part}
                 if self.after_store:
                     await self.after_store(offsets)
@@ -113,10 +121,36 @@ class IngestWorker:
                     # The group rebalanced: another member redelivers; writes are idempotent.
                     log.warning("offset commit failed after rebalance: %s", exc)
                 idle_since = time.monotonic()
+                await self._report_lag(consumer)
         finally:
+            self.ready = False
             await consumer.stop()
             await producer.stop()
         return self.stats
+
+    async def _apply_back_pressure(self, consumer: AIOKafkaConsumer) -> None:
+        """Pause every assigned partition while the encode backlog is over its limit; resume
+        below half of it. Nothing is buffered meanwhile: the consumer just stops fetching."""
+        if self.backlog is None or time.monotonic() - self._backlog_checked < 1.0:
+            return
+        self._backlog_checked = time.monotonic()
+        pending = await self.backlog()
+        observe.PENDING_FACTS.set(pending)
+        limit = self.settings.max_pending_facts
+        if pending > limit and consumer.assignment() - consumer.paused():
+            consumer.pause(*consumer.assignment())
+            log.warning("encode backlog %d > %d facts: pausing consumption", pending, limit)
+        elif pending < limit // 2 and consumer.paused():
+            consumer.resume(*consumer.paused())
+            log.info("encode backlog %d: resuming consumption", pending)
+        observe.PAUSED.set(1 if consumer.paused() else 0)
+
+    async def _report_lag(self, consumer: AIOKafkaConsumer) -> None:
+        for tp in consumer.assignment():
+            highwater = consumer.highwater(tp)
+            if highwater is not None:
+                observe.LAG.labels(str(tp.partition)).set(
+                    max(0, highwater - await consumer.position(tp)))
 
     async def _handle(self, records: list[ConsumerRecord], producer) -> None:
         valid: dict[tuple[str, str, str], tuple[TurnEvent, ConsumerRecord]] = {}
@@ -129,9 +163,12 @@ class IngestWorker:
                 continue
             valid.setdefault((event.user_id, event.conversation_id, event.turn_id), (event, record))
         self.stats.consumed += len(records)
+        observe.CONSUMED.inc(len(records))
         if dead:
             await asyncio.gather(*(self._dead_letter(producer, r, reason) for r, reason in dead))
             self.stats.dead_lettered += len(dead)
+            for _, reason in dead:
+                observe.DEAD_LETTERED.labels(reason.split(":")[0]).inc()
         if valid:
             await self._store(list(valid.values()))
         self.stats.batches += 1
@@ -146,8 +183,9 @@ class IngestWorker:
         await producer.send_and_wait(
             self.settings.dead_letter_topic, record.value, key=record.key, headers=headers
         )
-        log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset,
-                 reason)
+        log.info("dead-lettered a record", extra={
+            "topic": record.topic, "partition": record.partition, "offset": record.offset,
+            "reason": reason})
 
     async def _store(self, items: list[tuple[TurnEvent, ConsumerRecord]]) -> None:
         turns = [
@@ -183,9 +221,12 @@ class IngestWorker:
                 if not is_transient_db_error(exc):
                     raise
                 self.stats.db_retries += 1
+                observe.DB_RETRIES.inc()
                 log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__,
                             delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, DB_RETRY_MAX_S)
         self.stats.turns_stored += new_turns
         self.stats.facts_stored += new_facts
+        observe.TURNS_STORED.inc(new_turns)
+        observe.FACTS_STORED.inc(new_facts)

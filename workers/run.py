@@ -6,10 +6,18 @@ import asyncio
 import signal
 
 from inferscale.db.engine import create_engine
+from inferscale.db.queries import count_pending_facts
 from inferscale.infra import resolve_kafka_bootstrap
 from inferscale.settings import Settings
 from workers.encode import EncodeWorker, open_encoder_and_store
 from workers.ingest import IngestWorker
+from workers.observe import HealthServer
+
+
+async def _track_ready(health: HealthServer, ingest: IngestWorker) -> None:
+    while True:
+        health.ready = ingest.ready
+        await asyncio.sleep(0.5)
 
 
 async def run_worker(settings: Settings, drain: bool = False) -> dict:
@@ -22,8 +30,17 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
     async def woken(_offsets) -> None:
         wake.set()
 
-    ingest = IngestWorker(settings, resolve_kafka_bootstrap(settings), engine, after_store=woken)
+    async def backlog() -> int:
+        async with engine.connect() as conn:
+            return await count_pending_facts(conn, settings.encode_max_attempts)
+
+    ingest = IngestWorker(settings, resolve_kafka_bootstrap(settings), engine, after_store=woken,
+                          backlog=backlog)
     encode = EncodeWorker(settings, engine, encoder, store, wake=wake)
+    health = HealthServer()
+    if settings.worker_http_port is not None:
+        await health.start("0.0.0.0", settings.worker_http_port)
+    ready = asyncio.create_task(_track_ready(health, ingest))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: (ingest.request_stop(), encode.request_stop()))
     try:
@@ -35,5 +52,7 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
             encode.request_stop()
         await encoding
     finally:
+        ready.cancel()
+        await health.stop()
         await engine.dispose()
     return {"ingest": ingest.stats.__dict__, "encode": encode.stats.__dict__}

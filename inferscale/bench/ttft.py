@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import uuid
 from pathlib import Path
 
 import httpx
@@ -74,19 +75,22 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
-        ks: tuple[int, ...] = (0, 5, 10, 20, 50), turns_limit: int = 150) -> dict:
-    """Ingest one LoCoMo conversation through the real pipeline, serve it, measure TTFT."""
+def prepare_user(settings: Settings, data: Path, turns_limit: int
+                 ) -> tuple[Settings, str, list[str], list]:
+    """Stack ready; the first conversation of ``data`` as a fresh bench user; its questions."""
     settings = prepare(settings)
-    samples = json.loads(data.read_text())
-    sample = samples[0]
-    user = f"bench-{sample['sample_id']}"
+    sample = json.loads(data.read_text())[0]
+    user = f"bench-{sample['sample_id']}-{uuid.uuid4().hex[:6]}"
     turns = [t.model_copy(update={"user_id": user, "conversation_id": user})
-             for t in list(read_turns(data)) if t.user_id == sample["sample_id"]][:turns_limit]
-    questions = [q["question"] for q in sample["qa"] if q.get("category") != 5][:n_queries]
-    out_dir.mkdir(parents=True, exist_ok=True)
+             for t in read_turns(data) if t.user_id == sample["sample_id"]][:turns_limit]
+    questions = [q["question"] for q in sample["qa"] if q.get("category") != 5]
+    return settings, user, questions, turns
 
-    async def ingest() -> float:
+
+def ingest_user(settings: Settings, user: str, turns: list) -> float:
+    """Publish the user's turns and wait until every fact is encoded (a worker must run)."""
+
+    async def go() -> float:
         await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic,
                                                        settings.dead_letter_topic])
         await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns)
@@ -96,8 +100,17 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
         finally:
             await engine.dispose()
 
+    return asyncio.run(go())
+
+
+def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
+        ks: tuple[int, ...] = (0, 5, 10, 20, 50), turns_limit: int = 150) -> dict:
+    """Ingest one LoCoMo conversation through the real pipeline, serve it, measure TTFT."""
+    settings, user, questions, turns = prepare_user(settings, data, turns_limit)
+    questions = questions[:n_queries]
+    out_dir.mkdir(parents=True, exist_ok=True)
     with worker_process(settings, out_dir / "worker.log"):
-        encode_s = asyncio.run(ingest())
+        encode_s = ingest_user(settings, user, turns)
     print(f"{len(turns)} facts ingested and encoded in {encode_s:.0f}s; starting the server")
     with server_process(settings, out_dir / "server.log") as url:
         rows = asyncio.run(measure(url, user, questions, list(ks)))

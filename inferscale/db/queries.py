@@ -192,3 +192,10 @@ async def record_encode_failure(conn: AsyncConnection, fact_id: int, error: str)
     """Count a failed encode attempt and keep its reason."""
     await conn.execute(update(facts).where(facts.c.id == fact_id).values(
         encode_attempts=facts.c.encode_attempts + 1, encode_error=error[:2000]))
+
+
+async def count_pending_facts(conn: AsyncConnection, max_attempts: int) -> int:
+    """Facts still waiting for their KV (and still to be tried)."""
+    return int(await conn.scalar(select(func.count()).where(
+        facts.c.kv_location.is_(None), facts.c.deleted_at.is_(None),
+        facts.c.encode_attempts < max_attempts)))

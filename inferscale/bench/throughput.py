@@ -1,0 +1,77 @@
+"""Throughput under concurrent load: Poisson arrivals over a ladder of rates, inject vs text.
+
+Retrieval and prompt composition stay on the critical path (they run in the server's front end
+for every request). Goodput = requests per second that met the TTFT target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from inferscale.bench.client import stream_chat
+from inferscale.bench.common import print_table, write_report
+from inferscale.bench.ttft import ingest_user, prepare_user
+from inferscale.settings import Settings
+from inferscale.stack import server_process, worker_process
+
+
+async def _load(url: str, user: str, questions: list[str], mode: str, k: int, rate: float,
+                duration_s: float, seed: int) -> list[float | None]:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512)) as c:
+
+        async def one(question: str) -> float | None:
+            try:
+                return (await stream_chat(c, url, user, question, mode, k, max_tokens=8)).ttft
+            except (httpx.HTTPError, RuntimeError):
+                return None
+
+        tasks = []
+        started = time.perf_counter()
+        next_at = 0.0
+        while next_at < duration_s:
+            await asyncio.sleep(max(0.0, started + next_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(rng.choice(questions))))
+            next_at += rng.expovariate(rate)
+        return list(await asyncio.gather(*tasks))
+
+
+def run(settings: Settings, data: Path, out_dir: Path, rates: tuple[float, ...] = (0.5, 1, 2, 4),
+        duration_s: float = 30, k: int = 20, ttft_target_s: float = 1.0) -> dict:
+    """One server; for each rate and mode, a Poisson load of ``duration_s`` seconds."""
+    settings, user, questions, turns = prepare_user(settings, data, 100)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with worker_process(settings, out_dir / "worker.log"):
+        ingest_user(settings, user, turns)
+    rows, table = [], []
+    with server_process(settings, out_dir / "server.log") as url:
+        asyncio.run(_load(url, user, questions, "inject", k, 1, 3, 0))  # warm-up
+        for rate in rates:
+            for mode in ("inject", "text"):
+                ttfts = asyncio.run(_load(url, user, questions, mode, k, rate, duration_s, 1))
+                ok = [t for t in ttfts if t is not None]
+                good = [t for t in ok if t <= ttft_target_s]
+                row = {"rate": rate, "mode": mode, "sent": len(ttfts), "completed": len(ok),
+                       "ttft_p50_s": statistics.median(ok) if ok else None,
+                       "ttft_p90_s": statistics.quantiles(ok, n=10)[-1] if len(ok) > 1 else None,
+                       "goodput_rps": len(good) / duration_s}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        for rate in rates:
+            by = {r["mode"]: r for r in rows if r["rate"] == rate}
+            table.append([rate, by["inject"]["goodput_rps"], by["text"]["goodput_rps"],
+                          by["inject"]["ttft_p50_s"] or 0.0, by["text"]["ttft_p50_s"] or 0.0,
+                          by["inject"]["ttft_p90_s"] or 0.0, by["text"]["ttft_p90_s"] or 0.0])
+    print(f"k={k}, TTFT target {ttft_target_s}s, {duration_s:.0f}s per point")
+    print_table(["rate req/s", "goodput inject", "goodput text", "p50 inject", "p50 text",
+                 "p90 inject", "p90 text"], table)
+    report = {"k": k, "ttft_target_s": ttft_target_s, "duration_s": duration_s, "rows": rows}
+    write_report(out_dir, "throughput", report)
+    return report
