@@ -260,6 +260,17 @@ def down(settings: Settings) -> None:
     _state_file(settings).unlink(missing_ok=True)
 
 
+def restart_postgres(settings: Settings) -> None:
+    """Restart the embedded Postgres in place (same port and data): for fault drills."""
+    entry = _read_state(settings)["postgres"]
+    log = Path(entry["pgdata"]) / "server.log"
+    _pg([_pg_bin("pg_ctl"), "-D", entry["pgdata"], "-w", "-m", "fast", "-l", str(log),
+         "restart"], _pg_run_user())
+    state = _read_state(settings)
+    state["postgres"]["pid"] = _pg_pid(Path(entry["pgdata"]))
+    _write_state(settings, state)
+
+
 def status(settings: Settings) -> dict:
     """What runs: per component pid, port and liveness, plus endpoints when both run."""
     state = _read_state(settings)

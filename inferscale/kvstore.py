@@ -77,6 +77,16 @@ def blob_checksum(k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor) -> 
     return digest.hexdigest()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ByteLRU:
     """Thread-safe LRU bounded by the total bytes of its values."""
 
@@ -190,6 +200,19 @@ class KVStore:
         KV_METRICS.page_in_bytes.inc(len(raw))
         return KVBlob(k=tensors["k"], v=tensors["v"], token_ids=tensors["token_ids"].tolist(),
                       fingerprint=metadata["fingerprint"], window=int(metadata["window"]))
+
+    def sweep_temp(self) -> int:
+        """Remove temp files left by writers that died mid-write (their pid is gone)."""
+        removed = 0
+        for tmp in self.root.glob("*/*/.*.tmp"):
+            try:
+                pid = int(tmp.name.rsplit(".", 3)[-3])
+            except (ValueError, IndexError):
+                continue
+            if pid != os.getpid() and not _pid_alive(pid):
+                tmp.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     # --- tiered reads -------------------------------------------------------------------------
 

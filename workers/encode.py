@@ -25,6 +25,7 @@ from inferscale.kvstore import KVStore
 from inferscale.model_prep import resolve_model_path
 from inferscale.settings import Settings
 from workers import observe
+from workers.ingest import is_transient_db_error
 
 log = logging.getLogger("inferscale.encode")
 
@@ -87,6 +88,10 @@ class EncodeWorker:
         """Encode until stopped (or, with ``drain``, until nothing is pending)."""
         loop = asyncio.get_running_loop()
         preamble_ready = False
+        swept = await loop.run_in_executor(None, self.store.sweep_temp)
+        if swept:
+            log.warning("removed %d half-written KV temp files of dead writers", swept)
+        delay = 0.2
         while not self._stop.is_set():
             if not preamble_ready:
                 try:
@@ -94,7 +99,18 @@ class EncodeWorker:
                     preamble_ready = True
                 except OSError as exc:  # the durable tier is failing; retried next round
                     log.warning("cannot store the preamble KV: %s", exc)
-            if await self.encode_pending():
+            try:
+                handled = await self.encode_pending()
+                delay = 0.2
+            except Exception as exc:
+                if not is_transient_db_error(exc):
+                    raise
+                log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__,
+                            delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            if handled:
                 continue
             if drain or self._drain:
                 break

@@ -45,9 +45,15 @@ class IngestStats:
 
 def is_transient_db_error(exc: BaseException) -> bool:
     """Connection-level failures worth retrying (database restarting, network blips)."""
-    return isinstance(exc, OperationalError | OSError | ConnectionError) or (
-        isinstance(exc, DBAPIError) and exc.connection_invalidated
-    )
+    import asyncpg
+
+    connection_errors = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
+                         asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError)
+    if isinstance(exc, (OperationalError, *connection_errors)):
+        return True
+    return isinstance(exc, DBAPIError) and (
+        exc.connection_invalidated or isinstance(exc.orig, connection_errors)
+        or isinstance(getattr(exc.orig, "__cause__", None), connection_errors))
 
 
 class IngestWorker:
