@@ -233,12 +233,6 @@ class KVStore:
             self.hot.put(location, blob)
         return blob
 
-    def get_many(self, locations: list[str], expected_checksums: list[str | None] | None = None
-                 ) -> list[KVBlob]:
-        """Blobs for several facts, in order; raises the first KVBlobError."""
-        checksums = expected_checksums or [None] * len(locations)
-        return [self.get(loc, c) for loc, c in zip(locations, checksums, strict=True)]
-
     def delete(self, locations: list[str]) -> int:
         """Remove blobs from every tier; returns how many durable files were removed."""
         removed = 0

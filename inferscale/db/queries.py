@@ -109,18 +109,6 @@ async def top_k_facts(
     return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
 
 
-async def memory_version(conn: AsyncConnection, user_id: str) -> str:
-    """A token that changes whenever the user's live memory or its encodings change."""
-    row = (
-        await conn.execute(
-            select(
-                func.count(), func.max(facts.c.id), func.max(facts.c.encoded_at)
-            ).where(and_(facts.c.user_id == user_id, facts.c.deleted_at.is_(None)))
-        )
-    ).one()
-    return f"{row[0]}-{row[1]}-{row[2].timestamp() if row[2] else 0}"
-
-
 async def count_user_rows(conn: AsyncConnection, user_id: str) -> tuple[int, int]:
     """(turns, facts) stored for one user."""
     n_turns = await conn.scalar(select(func.count()).where(turns.c.user_id == user_id))
