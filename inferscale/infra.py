@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from inferscale.procs import pid_alive
 from inferscale.settings import Settings
 
 PG_USER_WHEN_ROOT = "inferscale_pg"
@@ -50,22 +51,6 @@ def _write_state(settings: Settings, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(path)
-
-
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of this process counts as dead.
-    try:
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
 
 
 def _port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -199,7 +184,7 @@ def _start_postgres(settings: Settings, port: int) -> dict:
         _pg([_pg_bin("initdb"), "-D", str(pgdata), "--auth=trust", "--encoding=utf8",
              "-U", "postgres"], user, timeout=120)
     stale = _pg_pid(pgdata)
-    if stale and not _pid_alive(stale):
+    if stale and not pid_alive(stale):
         (pgdata / "postmaster.pid").unlink(missing_ok=True)
     log = pgdata / "server.log"
     _pg([_pg_bin("pg_ctl"), "-D", str(pgdata), "-w", "-t", "60", "-l", str(log),
@@ -215,18 +200,18 @@ def _start_postgres(settings: Settings, port: int) -> dict:
 
 def _stop_postgres(entry: dict) -> None:
     pgdata = Path(entry["pgdata"])
-    if _pid_alive(_pg_pid(pgdata)):
+    if pid_alive(_pg_pid(pgdata)):
         _pg([_pg_bin("pg_ctl"), "-D", str(pgdata), "-w", "-m", "fast", "stop"], _pg_run_user())
 
 
 def _stop_pid(pid: int, sig: int = signal.SIGINT, timeout_s: float = 10) -> None:
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return
     os.kill(pid, sig)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _pid_alive(pid):
+    while time.monotonic() < deadline and pid_alive(pid):
         time.sleep(0.05)
-    if _pid_alive(pid):
+    if pid_alive(pid):
         os.kill(pid, signal.SIGKILL)
 
 
@@ -234,7 +219,7 @@ def _stop_pid(pid: int, sig: int = signal.SIGINT, timeout_s: float = 10) -> None
 
 
 def _running(entry: dict | None) -> bool:
-    return bool(entry) and _pid_alive(entry.get("pid")) and _port_open(entry["port"])
+    return bool(entry) and pid_alive(entry.get("pid")) and _port_open(entry["port"])
 
 
 def up(settings: Settings, kafka_port: int = 0, postgres_port: int = 0) -> Endpoints:

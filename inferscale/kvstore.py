@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load, save
 
 from inferscale.metrics import KV_METRICS
+from inferscale.procs import pid_alive
 
 
 class KVBlobError(RuntimeError):
@@ -75,16 +76,6 @@ def blob_checksum(k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor) -> 
     for tensor in (k, v, token_ids):
         digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ByteLRU:
@@ -209,7 +200,7 @@ class KVStore:
                 pid = int(tmp.name.rsplit(".", 3)[-3])
             except (ValueError, IndexError):
                 continue
-            if pid != os.getpid() and not _pid_alive(pid):
+            if pid != os.getpid() and not pid_alive(pid):
                 tmp.unlink(missing_ok=True)
                 removed += 1
         return removed
