@@ -79,6 +79,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._pending: dict[str, LoadSpec] = {}
         self._claimed: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
+        self._layers: list[tuple[int, Any]] | None = None
         if role == KVConnectorRole.WORKER:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self._store = KVStore(settings.kv_path, self._fingerprint, settings.host_cache_bytes,
@@ -220,15 +221,17 @@ class InferScaleConnector(KVConnectorBase_V1):
         first, last = spec.start // self._block_size, (spec.end - 1) // self._block_size
         return set(spec.block_ids[first:last + 1])
 
-    def _attention_layers(self, forward_context: ForwardContext):
-        layers = []
-        for name, layer in forward_context.no_compile_layers.items():
-            kv_cache = getattr(layer, "kv_cache", None)
-            match = _LAYER_INDEX.search(name)
-            if kv_cache is None or not hasattr(layer, "impl") or match is None:
-                continue
-            layers.append((int(match.group(1)), layer))
-        return layers
+    def _attention_layers(self, forward_context: ForwardContext) -> list[tuple[int, Any]]:
+        """(layer index, attention layer) pairs; the set is static, so it is found once."""
+        if self._layers is None:
+            layers = []
+            for name, layer in forward_context.no_compile_layers.items():
+                match = _LAYER_INDEX.search(name)
+                if getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl") and (
+                        match is not None):
+                    layers.append((int(match.group(1)), layer))
+            self._layers = layers
+        return self._layers
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
