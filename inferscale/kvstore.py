@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
+from inferscale import failpoints
 from inferscale.metrics import KV_METRICS
 from inferscale.procs import pid_alive
 
@@ -159,9 +160,12 @@ class KVStore:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with tmp.open("wb") as f:
-                f.write(data)
+                f.write(data[:len(data) // 2])
+                failpoints.hit("kv.mid_write")
+                f.write(data[len(data) // 2:])
                 f.flush()
                 os.fsync(f.fileno())
+            failpoints.hit("kv.before_rename")
             tmp.replace(path)
         finally:
             tmp.unlink(missing_ok=True)

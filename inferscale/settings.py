@@ -43,7 +43,9 @@ class Settings(BaseSettings):
     model_path: Path | None = None
     window: int = 5
     encode_batch_size: int = 8
-    encode_max_attempts: int = 3
+    encode_max_attempts: int = 3  # storage failures (disk full, ...) are retried without limit
+    encode_retry_base_s: float = 5.0  # a failed fact waits base * 2**attempts (capped) to retry
+    encode_retry_max_s: float = 300.0
     device: str | None = None
 
     # KV store tiers.

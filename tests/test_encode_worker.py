@@ -1,5 +1,8 @@
 """Encode stage on the real Postgres: every ingested fact gets verified pre-RoPE KV, once."""
 
+import asyncio
+import errno
+import os
 import uuid
 
 import pytest
@@ -7,6 +10,7 @@ import torch
 from sqlalchemy import select
 
 from helpers import sample_turns
+from inferscale import failpoints
 from inferscale.db.queries import claim_pending_facts, count_user_rows
 from inferscale.db.tables import facts
 from inferscale.encoder import FactEncoder
@@ -71,22 +75,68 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
         r.kv_checksum for r in rows]
 
 
-async def test_durable_write_error_is_recorded_and_bounded(settings, engine, embedder,
-                                                           tiny_encoder, tmp_path):
-    settings = settings.model_copy(update={"encode_max_attempts": 2, "window": 0})
+@pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])
+async def test_durable_tier_errors_are_recorded_and_retried_until_they_clear(
+        error, settings, engine, embedder, tiny_encoder, tiny_models, tmp_path):
+    settings = settings.model_copy(update={"encode_max_attempts": 1, "window": 0,
+                                           "encode_retry_base_s": 0.5})
     turns = sample_turns()[:3]
     user = turns[0].user_id
     await _ingest(settings, engine, embedder, turns)
-    blocked = tmp_path / "not-a-dir"
-    blocked.write_text("a file where the KV directory should be")
-    store = KVStore(blocked, "f" * 64, host_bytes=1 << 20)
-    worker = EncodeWorker(settings, engine, tiny_encoder, store)
-    await worker.run(drain=True)
+    store = KVStore(tmp_path / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=0)
+    failpoints.arm(f"kv.mid_write=error:{error}")  # the disk fills up in the middle of a write
+    try:
+        failed = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    finally:
+        failpoints.arm("")
     rows = await _user_facts(engine, user)
-    assert all(r.kv_location is None for r in rows)
-    assert all(r.encode_attempts == 2 and "Error" in r.encode_error for r in rows)
-    # Bounded: after max attempts the facts are no longer claimed.
+    assert failed.failed == len(turns) and failed.encoded == 0
+    reason = os.strerror(getattr(errno, error))
+    assert all(r.kv_location is None and r.encode_error.startswith("storage: ")
+               and reason in r.encode_error and r.retry_at is not None for r in rows)
+    assert not list(store.root.rglob("*.tmp")) and not list(store.root.rglob("*.safetensors"))
+    # Backoff: not retried at once, even past encode_max_attempts...
     assert (await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)).failed == 0
+    await asyncio.sleep(1.0)
+    # ...but once it is over and the disk has room again, every fact gets its KV.
+    healed = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert healed.encoded == len(turns) and healed.failed == 0
+    rows = await _user_facts(engine, user)
+    assert all(r.kv_location and r.encode_error is None and r.retry_at is None for r in rows)
+    for row in rows:
+        store.get(row.kv_location, row.kv_checksum)
+
+
+class _CrashingEncoder:
+    """The real encoder whose forward pass fails (a model bug, not a storage problem)."""
+
+    def __init__(self, inner: FactEncoder):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, items):
+        raise RuntimeError("forward pass failed")
+
+
+async def test_encode_errors_are_retried_a_bounded_number_of_times(settings, engine, embedder,
+                                                                   tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"encode_max_attempts": 2, "window": 0,
+                                           "encode_retry_base_s": 0.1})
+    turns = sample_turns()[:3]
+    user = turns[0].user_id
+    await _ingest(settings, engine, embedder, turns)
+    store = KVStore(tmp_path / "kv", "f" * 64, host_bytes=1 << 20)
+    crashing = _CrashingEncoder(tiny_encoder)
+    for _ in range(2):
+        assert (await EncodeWorker(settings, engine, crashing, store).run(drain=True)).failed == 3
+        await asyncio.sleep(0.5)
+    rows = await _user_facts(engine, user)
+    assert all(r.kv_location is None and r.encode_attempts == 2
+               and r.encode_error == "encode: RuntimeError: forward pass failed" for r in rows)
+    # Bounded: after max attempts the facts are no longer claimed.
+    assert (await EncodeWorker(settings, engine, crashing, store).run(drain=True)).failed == 0
 
 
 async def test_forget_removes_user_everywhere_and_spares_others(settings, engine, embedder,

@@ -1,5 +1,6 @@
 """The query path through the real vLLM CPU engine: SmolLM2 + connector + memory front end."""
 
+import asyncio
 import random
 import uuid
 
@@ -9,10 +10,12 @@ from sqlalchemy import select, update
 
 from conftest import running_server
 from helpers import ingest_and_encode, sample_turns, turn
+from inferscale import failpoints
 from inferscale.db.tables import facts
 from inferscale.encoder import FactEncoder
 from inferscale.fingerprint import model_fingerprint
 from inferscale.kvstore import KVStore
+from workers.encode import EncodeWorker
 
 pytestmark = pytest.mark.slow
 
@@ -124,16 +127,35 @@ async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedde
     assert foreign == 0
 
 
-async def test_unencoded_facts_fall_back_to_text(served, cfg, engine, embedder):
-    user = f"late-{uuid.uuid4().hex[:6]}"
-    await ingest_and_encode(cfg, engine, embedder, [
-        turn(user, "t1", "Cleo", "My sister's name is Rosalind and she lives in Dublin."),
-        turn(user, "t2", "Cleo", "I drive a blue tram for a living.")])
-    response = served.chat(user, "What is the name of Cleo's sister?", k=2)
+async def test_facts_without_kv_are_served_as_text_until_encoded(served, smol, cfg, engine,
+                                                                 embedder):
+    """The durable tier is full: encoding fails with the reason recorded, queries meanwhile get
+    the facts as text; once the disk has room the retry stores the KV and it is injected."""
+    encoder, store = smol
+    cfg = cfg.model_copy(update={"encode_retry_base_s": 0.5})
+    user = f"full-{uuid.uuid4().hex[:6]}"
+    question = "What is the name of Cleo's sister?"
+    failpoints.arm("kv.mid_write=error:ENOSPC")
+    try:
+        await ingest_and_encode(cfg, engine, embedder, [
+            turn(user, "t1", "Cleo", "My sister's name is Rosalind and she lives in Dublin."),
+            turn(user, "t2", "Cleo", "I drive a blue tram for a living.")], encoder, store)
+    finally:
+        failpoints.arm("")
+    async with engine.connect() as conn:
+        errors = (await conn.execute(select(facts.c.encode_error).where(
+            facts.c.user_id == user))).scalars().all()
+    assert len(errors) == 2 and all("No space left on device" in e for e in errors)
+    response = served.chat(user, question, k=2)
     assert response.status_code == 200
     assert response.headers["x-inferscale-facts"] == "2"
     assert response.headers["x-inferscale-facts-injected"] == "0"
     assert "Rosalind" in response.json()["choices"][0]["message"]["content"]
+    await asyncio.sleep(1.0)  # the retry backoff
+    await EncodeWorker(cfg, engine, encoder, store).run(drain=True)
+    healed = served.chat(user, question, k=2)
+    assert healed.headers["x-inferscale-facts-injected"] == "2"
+    assert "Rosalind" in healed.json()["choices"][0]["message"]["content"]
 
 
 async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, embedder):

@@ -2,7 +2,8 @@
 
 Facts are claimed with ``FOR UPDATE SKIP LOCKED`` so several workers never encode the same
 fact at once; a batch that fails is retried fact by fact so one bad fact cannot block others,
-and every failure is recorded with its reason and retried a bounded number of times.
+and every failure is recorded with its reason and retried after an exponential backoff (a
+bounded number of times, except durable-tier errors, which are retried until they clear).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inferscale import failpoints
 from inferscale.db.queries import (
     PendingFact,
     claim_pending_facts,
@@ -30,6 +32,13 @@ from workers.ingest import is_transient_db_error
 log = logging.getLogger("inferscale.encode")
 
 PREAMBLE = "preamble"
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``storage: ...`` for durable-tier errors (disk full, permission denied: retried until
+    they clear), ``encode: ...`` for the rest (retried ``encode_max_attempts`` times)."""
+    kind = "storage" if isinstance(exc, OSError) else "encode"
+    return f"{kind}: {type(exc).__name__}: {exc}"
 
 
 def ensure_preamble(encoder: FactEncoder, store: KVStore) -> str:
@@ -135,7 +144,9 @@ class EncodeWorker:
                                                             pending)
             await record_encoded(conn, done)
             for fact_id, error in failures:
-                await record_encode_failure(conn, fact_id, error)
+                await record_encode_failure(conn, fact_id, error, s.encode_retry_base_s,
+                                            s.encode_retry_max_s)
+            failpoints.hit("encode.before_db_commit")
         self.stats.batches += 1
         self.stats.encoded += len(done)
         self.stats.failed += len(failures)
@@ -152,13 +163,13 @@ class EncodeWorker:
             return self._encode_batch(pending), []
         except Exception as exc:  # noqa: BLE001 - retried fact by fact below to isolate it
             if len(pending) == 1:
-                return [], [(pending[0].id, f"{type(exc).__name__}: {exc}")]
+                return [], [(pending[0].id, failure_reason(exc))]
         done, failures = [], []
         for fact in pending:
             try:
                 done += self._encode_batch([fact])
             except Exception as exc:  # noqa: BLE001 - recorded and retried later
-                failures.append((fact.id, f"{type(exc).__name__}: {exc}"))
+                failures.append((fact.id, failure_reason(exc)))
         return done, failures
 
     def _encode_batch(self, pending: list[PendingFact]) -> list[dict]:

@@ -18,6 +18,7 @@ from aiokafka.errors import CommitFailedError
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inferscale import failpoints
 from inferscale.db.queries import NewFact, StoredTurn, upsert_facts, upsert_turns
 from inferscale.embedder import Embedder, load_embedder
 from inferscale.events import InvalidEvent, TurnEvent, parse_turn
@@ -121,6 +122,7 @@ class IngestWorker:
                 offsets = {tp: part[-1].offset + 1 for tp, part in batch.items() if part}
                 if self.after_store:
                     await self.after_store(offsets)
+                failpoints.hit("ingest.before_offset_commit")
                 try:
                     await consumer.commit(offsets)
                 except CommitFailedError as exc:
@@ -222,6 +224,7 @@ class IngestWorker:
                 async with self.engine.begin() as conn:
                     new_turns = await upsert_turns(conn, turns)
                     new_facts = await upsert_facts(conn, facts)
+                    failpoints.hit("ingest.before_db_commit")
                 break
             except Exception as exc:
                 if not is_transient_db_error(exc):

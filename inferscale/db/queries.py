@@ -151,7 +151,9 @@ async def claim_pending_facts(conn: AsyncConnection, limit: int, window: int,
                      AND c.deleted_at IS NULL AND (c.ts, c.id) < (f.ts, f.id)
                    ORDER BY c.ts DESC, c.id DESC LIMIT :window), '{}') AS context
         FROM facts f
-        WHERE f.kv_location IS NULL AND f.deleted_at IS NULL AND f.encode_attempts < :max_attempts
+        WHERE f.kv_location IS NULL AND f.deleted_at IS NULL
+          AND (f.encode_attempts < :max_attempts OR f.encode_error LIKE 'storage:%')
+          AND (f.retry_at IS NULL OR f.retry_at <= now())
         ORDER BY f.encode_attempts, f.id
         LIMIT :limit
         FOR UPDATE OF f SKIP LOCKED
@@ -170,20 +172,25 @@ async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> None:
             window=bindparam("window"), model_fingerprint=bindparam("fingerprint"),
             kv_location=bindparam("location"), kv_bytes=bindparam("nbytes"),
             kv_checksum=bindparam("checksum"), encoded_at=func.now(), encode_error=None,
+            retry_at=None,
             encode_attempts=facts.c.encode_attempts + 1,
         ),
         [{**r, "fid": r["id"]} for r in rows],
     )
 
 
-async def record_encode_failure(conn: AsyncConnection, fact_id: int, error: str) -> None:
-    """Count a failed encode attempt and keep its reason."""
+async def record_encode_failure(conn: AsyncConnection, fact_id: int, error: str,
+                                base_s: float, max_s: float) -> None:
+    """Count a failed encode attempt, keep its reason and schedule the retry after an
+    exponential backoff (``base_s * 2**attempts``, at most ``max_s``)."""
+    backoff = func.least(base_s * func.power(2, facts.c.encode_attempts), max_s)
     await conn.execute(update(facts).where(facts.c.id == fact_id).values(
-        encode_attempts=facts.c.encode_attempts + 1, encode_error=error[:2000]))
+        encode_attempts=facts.c.encode_attempts + 1, encode_error=error[:2000],
+        retry_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, backoff)))
 
 
 async def count_pending_facts(conn: AsyncConnection, max_attempts: int) -> int:
-    """Facts still waiting for their KV (and still to be tried)."""
+    """Facts still waiting for their KV (and still to be tried, now or after a backoff)."""
     return int(await conn.scalar(select(func.count()).where(
         facts.c.kv_location.is_(None), facts.c.deleted_at.is_(None),
-        facts.c.encode_attempts < max_attempts)))
+        (facts.c.encode_attempts < max_attempts) | facts.c.encode_error.like("storage:%"))))

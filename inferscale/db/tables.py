@@ -56,6 +56,7 @@ facts = Table(
     Column("kv_checksum", String(64)),
     Column("encode_attempts", Integer, nullable=False, server_default="0"),
     Column("encode_error", Text),
+    Column("retry_at", DateTime(timezone=True)),
     Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
     Column("encoded_at", DateTime(timezone=True)),
     Column("deleted_at", DateTime(timezone=True)),
