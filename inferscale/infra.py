@@ -91,6 +91,7 @@ def tansu_binary() -> Path:
 
 
 def _start_kafka(settings: Settings, port: int) -> dict:
+    """tansu on ``port`` with the configured storage engine (``s3://`` reads the AWS_* env)."""
     if _port_open(port):
         raise InfraError(f"cannot start tansu: port {port} is already taken")
     log = settings.infra_dir / "tansu.log"
@@ -98,7 +99,7 @@ def _start_kafka(settings: Settings, port: int) -> dict:
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [str(tansu_binary()), "broker", "--listener-url", url,
-             "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+             "--advertised-listener-url", url, "--storage-engine", settings.kafka_storage],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
         )
@@ -107,7 +108,7 @@ def _start_kafka(settings: Settings, port: int) -> dict:
     except InfraError:
         proc.kill()
         raise
-    return {"pid": proc.pid, "port": port}
+    return {"pid": proc.pid, "port": port, "storage": settings.kafka_storage}
 
 
 # --- Postgres ---------------------------------------------------------------------------------
@@ -224,11 +225,8 @@ def _running(entry: dict | None) -> bool:
 
 def up(settings: Settings, kafka_port: int = 0, postgres_port: int = 0) -> Endpoints:
     """Start (or reuse) the embedded broker and Postgres; returns their endpoints."""
-    settings.infra_dir.mkdir(parents=True, exist_ok=True)
+    start_kafka(settings, kafka_port)
     state = _read_state(settings)
-    if not _running(state.get("kafka")):
-        state["kafka"] = _start_kafka(settings, kafka_port or _free_port())
-        _write_state(settings, state)
     if not _running(state.get("postgres")):
         state["postgres"] = _start_postgres(settings, postgres_port or _free_port())
         _write_state(settings, state)
@@ -243,6 +241,26 @@ def down(settings: Settings) -> None:
     if kafka := state.get("kafka"):
         _stop_pid(kafka["pid"])
     _state_file(settings).unlink(missing_ok=True)
+
+
+def start_kafka(settings: Settings, port: int = 0) -> str:
+    """Start (or reuse) only the embedded broker; returns its bootstrap address."""
+    settings.infra_dir.mkdir(parents=True, exist_ok=True)
+    state = _read_state(settings)
+    if not _running(state.get("kafka")):
+        state["kafka"] = _start_kafka(settings, port or _free_port())
+        _write_state(settings, state)
+    return f"127.0.0.1:{state['kafka']['port']}"
+
+
+def restart_kafka(settings: Settings) -> None:
+    """Stop the embedded broker and start it again on the same port: for fault drills (only a
+    durable ``kafka_storage`` such as ``s3://`` keeps the topics across it)."""
+    state = _read_state(settings)
+    entry = state["kafka"]
+    _stop_pid(entry["pid"])
+    state["kafka"] = _start_kafka(settings, entry["port"])
+    _write_state(settings, state)
 
 
 def restart_postgres(settings: Settings) -> None:

@@ -18,6 +18,9 @@ class Settings(BaseSettings):
     kafka_bootstrap: str | None = None
     database_url: str | None = None
     data_dir: Path = Field(default_factory=lambda: Path.home() / ".inferscale")
+    # Storage of the embedded broker: memory://tansu/ (lost on restart), s3://bucket/ (with
+    # AWS_ENDPOINT, AWS_ACCESS_KEY_ID, ... in the environment) or postgres://...
+    kafka_storage: str = "memory://tansu/"
 
     # Topics and consumer group.
     turns_topic: str = "inferscale.turns"

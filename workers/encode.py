@@ -142,6 +142,9 @@ class EncodeWorker:
             with observe.BATCH_SECONDS.labels("encode").time():
                 done, failures = await loop.run_in_executor(None, self._encode_and_store,
                                                             pending)
+            if done:
+                log.info("wrote KV for %d facts", len(done),
+                         extra={"fact_ids": [row["id"] for row in done]})
             await record_encoded(conn, done)
             for fact_id, error in failures:
                 await record_encode_failure(conn, fact_id, error, s.encode_retry_base_s,
