@@ -129,6 +129,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.bench import freshness
 
         freshness.run(settings, out, n=args.n)
+    elif args.which == "load":
+        from inferscale.bench import load
+
+        load.run(settings, data, out)
     return 0
 
 
@@ -204,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
-    p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness"])
+    p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
+                                            "load"])
     p.add_argument("--data", default=str(Path(__file__).parent / "data" /
                                          "sample_conversation.json"),
                    help="a LoCoMo-format file")

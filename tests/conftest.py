@@ -88,10 +88,30 @@ def tiny_models(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
 class Server:
     """A running `inferscale serve` (vLLM + connector + front end) for tests."""
 
-    def __init__(self, settings: Settings, url: str, process):
+    def __init__(self, settings: Settings, url: str, extra_args: list[str], log_path: Path):
         self.settings = settings
         self.url = url
-        self.process = process
+        self.extra_args = extra_args
+        self.log_path = log_path
+        self.process = None
+
+    def start(self) -> None:
+        """Start the server process and wait until it is healthy."""
+        from inferscale.serve import start_server, wait_ready
+
+        self.process = start_server(self.settings, self.extra_args, log_path=self.log_path)
+        try:
+            wait_ready(self.url, self.process, timeout_s=600)
+        except Exception:
+            raise RuntimeError(f"server failed:\n{self.log_path.read_text()[-4000:]}") from None
+
+    def stop(self) -> None:
+        """Stop the server process (SIGTERM, then SIGKILL)."""
+        from inferscale.serve import stop_server
+
+        if self.process is not None:
+            stop_server(self.process)
+            self.process = None
 
     def chat(self, user: str | None, question: str, mode: str | None = None, k: int | None = None,
              max_tokens: int = 24, headers: dict | None = None, **extra):
@@ -111,17 +131,11 @@ class Server:
 @contextlib.contextmanager
 def running_server(settings: Settings, log_path: Path, extra_args: list[str]):
     """Start `inferscale serve` on a free port for a test module; stop it afterwards."""
-    from inferscale.serve import start_server, stop_server, wait_ready
-
     port = infra._free_port()
     settings = settings.model_copy(update={"server_port": port, "vllm_kv_cache_gib": 1})
-    process = start_server(settings, extra_args, log_path=log_path)
-    url = f"http://127.0.0.1:{port}"
+    server = Server(settings, f"http://127.0.0.1:{port}", extra_args, log_path)
     try:
-        try:
-            wait_ready(url, process, timeout_s=600)
-        except Exception:
-            raise RuntimeError(f"server failed:\n{log_path.read_text()[-4000:]}") from None
-        yield Server(settings, url, process)
+        server.start()
+        yield server
     finally:
-        stop_server(process)
+        server.stop()

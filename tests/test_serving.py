@@ -14,7 +14,9 @@ from inferscale import failpoints
 from inferscale.db.tables import facts
 from inferscale.encoder import FactEncoder
 from inferscale.fingerprint import model_fingerprint
+from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.kvstore import KVStore
+from inferscale.stack import wait_encoded, worker_process
 from workers.encode import EncodeWorker
 
 pytestmark = pytest.mark.slow
@@ -237,3 +239,23 @@ def test_bad_requests_get_4xx_with_a_message(served):
     metrics = httpx.get(f"{served.url}/metrics", timeout=30).text
     assert "inferscale_memory_requests_total" in metrics
     assert "inferscale_kv_page_in_seconds_count" in metrics
+
+
+async def test_server_restart_while_ingesting_loses_no_fact(served, cfg, engine, tmp_path):
+    """The vLLM server restarts while a worker process ingests and encodes: afterwards every
+    fact of the user is retrieved and injected."""
+    user = f"restart-{uuid.uuid4().hex[:6]}"
+    said = [turn(user, f"t{i}", "Ada", f"My locker number {i} holds a {thing}.", day=1 + i)
+            for i, thing in enumerate(["violin", "kite", "lamp", "globe", "drum", "map",
+                                       "clock", "fern", "quilt", "sled"])]
+    await ensure_topics(cfg.kafka_bootstrap, [cfg.turns_topic])
+    with worker_process(cfg, tmp_path / "worker.log"):
+        await publish_turns(cfg.kafka_bootstrap, cfg.turns_topic, said[:5], progress=False)
+        await asyncio.to_thread(served.stop)
+        await publish_turns(cfg.kafka_bootstrap, cfg.turns_topic, said[5:], progress=False)
+        await asyncio.to_thread(served.start)
+        await wait_encoded(engine, user, len(said), timeout_s=300, progress=False)
+    response = served.chat(user, "What does Ada keep in her lockers?", k=len(said))
+    assert response.status_code == 200
+    assert response.headers["x-inferscale-facts"] == str(len(said))
+    assert response.headers["x-inferscale-facts-injected"] == str(len(said))

@@ -22,8 +22,9 @@ from inferscale.settings import Settings
 from inferscale.stack import server_process, worker_process
 
 
-async def _load(url: str, user: str, questions: list[str], mode: str, k: int, rate: float,
-                duration_s: float, seed: int) -> list[float | None]:
+async def poisson_load(url: str, user: str, questions: list[str], mode: str, k: int, rate: float,
+                       duration_s: float, seed: int) -> list[float | None]:
+    """Memory queries with Poisson arrivals for ``duration_s``; TTFT of each (None: failed)."""
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512)) as c:
 
@@ -52,10 +53,11 @@ def run(settings: Settings, data: Path, out_dir: Path, rates: tuple[float, ...] 
         ingest_user(settings, user, turns)
     rows, table = [], []
     with server_process(settings, out_dir / "server.log") as url:
-        asyncio.run(_load(url, user, questions, "inject", k, 1, 3, 0))  # warm-up
+        asyncio.run(poisson_load(url, user, questions, "inject", k, 1, 3, 0))  # warm-up
         for rate in rates:
             for mode in ("inject", "text"):
-                ttfts = asyncio.run(_load(url, user, questions, mode, k, rate, duration_s, 1))
+                ttfts = asyncio.run(poisson_load(url, user, questions, mode, k, rate,
+                                                 duration_s, 1))
                 ok = [t for t in ttfts if t is not None]
                 good = [t for t in ok if t <= ttft_target_s]
                 row = {"rate": rate, "mode": mode, "sent": len(ttfts), "completed": len(ok),
