@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     encode_max_attempts: int = 3  # storage failures (disk full, ...) are retried without limit
     encode_retry_base_s: float = 5.0  # a failed fact waits base * 2**attempts (capped) to retry
     encode_retry_max_s: float = 300.0
+    # Share of time the encode stage may be busy (1.0 = flat out). Below 1 it rests after each
+    # batch, leaving the shared device (CPU cores or GPU) to serving: less TTFT, later KV.
+    encode_duty_cycle: float = Field(default=1.0, gt=0.0, le=1.0)
     device: str | None = None
 
     # KV store tiers.

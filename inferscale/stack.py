@@ -21,7 +21,8 @@ from inferscale.model_prep import resolve_model_path
 from inferscale.settings import Settings
 
 ENV_FIELDS = ("kafka_bootstrap", "database_url", "data_dir", "model_path", "kv_dir", "window",
-              "turns_topic", "dead_letter_topic", "consumer_group", "top_k", "embedder")
+              "turns_topic", "dead_letter_topic", "consumer_group", "top_k", "embedder",
+              "encode_duty_cycle")
 
 
 def prepare(settings: Settings) -> Settings:

@@ -3,6 +3,7 @@
 import asyncio
 import errno
 import os
+import subprocess
 import uuid
 
 import pytest
@@ -107,6 +108,51 @@ async def test_durable_tier_errors_are_recorded_and_retried_until_they_clear(
         store.get(row.kv_location, row.kv_checksum)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB tmpfs (root with mount rights only), grown on demand."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the failpoint "
+                    "tests above cover the same path")
+
+    def grow() -> None:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
+
+    yield mount, grow
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+async def test_real_full_disk_fails_facts_cleanly_and_they_heal(settings, engine, embedder,
+                                                                tiny_encoder, tiny_models,
+                                                                small_disk):
+    mount, grow = small_disk
+    settings = settings.model_copy(update={"window": 0, "encode_retry_base_s": 0.2,
+                                           "encode_batch_size": 4})
+    turns = sample_turns()
+    user = turns[0].user_id
+    await _ingest(settings, engine, embedder, turns)
+    store = KVStore(mount / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=0)
+    full = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    rows = await _user_facts(engine, user)
+    failed = [r for r in rows if r.kv_location is None]
+    assert full.failed > 0 and failed
+    assert all("No space left on device" in r.encode_error for r in failed)
+    assert not list(store.root.rglob("*.tmp"))  # no half-written file is left behind
+    for row in rows:
+        if row.kv_location:
+            store.get(row.kv_location, row.kv_checksum)  # what did fit is complete
+    grow()
+    await asyncio.sleep(1.0)
+    healed = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert healed.encoded == len(failed)
+    rows = await _user_facts(engine, user)
+    assert all(r.kv_location and r.encode_error is None for r in rows)
+
+
 class _CrashingEncoder:
     """The real encoder whose forward pass fails (a model bug, not a storage problem)."""
 
@@ -159,3 +205,16 @@ async def test_forget_removes_user_everywhere_and_spares_others(settings, engine
         assert not (store.root / row.kv_location).exists()
     for row in await _user_facts(engine, other):
         assert store.get(row.kv_location, row.kv_checksum).token_ids == row.token_ids
+
+
+async def test_duty_cycle_rest_scales_with_busy_time_and_yields_to_stop(settings, engine,
+                                                                         tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"encode_duty_cycle": 0.25})
+    worker = EncodeWorker(settings, engine, tiny_encoder, KVStore(tmp_path, "f" * 64, 0))
+    began = asyncio.get_running_loop().time()
+    await worker._rest(0.1)  # busy 0.1 s at a 25% duty cycle -> rest 0.3 s
+    assert 0.29 <= asyncio.get_running_loop().time() - began < 2
+    resting = asyncio.create_task(worker._rest(3600))
+    await asyncio.sleep(0.05)
+    worker.request_stop()
+    await asyncio.wait_for(resting, 5)  # a stop ends the rest at once

@@ -9,7 +9,9 @@ bounded number of times, except durable-tier errors, which are retried until the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -109,6 +111,7 @@ class EncodeWorker:
                 except OSError as exc:  # the durable tier is failing; retried next round
                     log.warning("cannot store the preamble KV: %s", exc)
             try:
+                began = time.monotonic()
                 handled = await self.encode_pending()
                 delay = 0.2
             except Exception as exc:
@@ -120,6 +123,7 @@ class EncodeWorker:
                 delay = min(delay * 2, 10.0)
                 continue
             if handled:
+                await self._rest(time.monotonic() - began)
                 continue
             if drain or self._drain:
                 break
@@ -129,6 +133,13 @@ class EncodeWorker:
             except TimeoutError:
                 pass
         return self.stats
+
+    async def _rest(self, busy_s: float) -> None:
+        """Idle long enough after a batch that the busy share stays at the duty cycle."""
+        duty = self.settings.encode_duty_cycle
+        if duty < 1.0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), busy_s * (1 - duty) / duty)
 
     async def encode_pending(self) -> int:
         """Encode one batch of pending facts; returns how many facts it handled."""

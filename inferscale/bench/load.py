@@ -125,9 +125,9 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
     return results
 
 
-def run(settings: Settings, data: Path, out_dir: Path, rates: tuple[float, ...] = (0, 1, 4),
-        users: int = 50, query_rate: float = 1.0, k: int = 20, duration_s: float = 40,
-        drain_s: float = 240) -> dict:
+def run(settings: Settings, data: Path, out_dir: Path,
+        rates: tuple[float, ...] = (0, 1, 2, 4), users: int = 50, query_rate: float = 1.0,
+        k: int = 20, duration_s: float = 40, drain_s: float = 240) -> dict:
     """Worker + server; TTFT and freshness per ingest rate (0 = queries alone)."""
     settings, user, questions, turns = prepare_user(settings, data, 100)
     texts = [t.text for t in read_turns(data)]
@@ -142,10 +142,10 @@ def run(settings: Settings, data: Path, out_dir: Path, rates: tuple[float, ...] 
               r["stored_p50_s"] or 0.0, r["encoded_p50_s"] or 0.0, r["encoded_p95_s"] or 0.0,
               r["facts_encoded_per_s"]] for r in rows]
     print(f"queries: inject k={k} at {query_rate} req/s; generated turns over {users} users; "
-          f"{duration_s:.0f}s per phase")
+          f"{duration_s:.0f}s per phase; encode duty cycle {settings.encode_duty_cycle}")
     print_table(["ingest turns/s", "TTFT p50", "TTFT p90", "p50 vs alone", "stored p50 s",
                  "KV p50 s", "KV p95 s", "encoded/s"], table)
     report = {"k": k, "query_rate": query_rate, "users": users, "duration_s": duration_s,
-              "rows": rows}
+              "encode_duty_cycle": settings.encode_duty_cycle, "rows": rows}
     write_report(out_dir, "load", report)
     return report
