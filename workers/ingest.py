@@ -8,13 +8,14 @@ Malformed messages go to the dead-letter topic with the reason in a header.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
-from aiokafka.errors import CommitFailedError
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -91,17 +92,10 @@ class IngestWorker:
         loop = asyncio.get_running_loop()
         if self.embedder is None:
             self.embedder = await loop.run_in_executor(None, load_embedder, s.embedder)
-        await ensure_topics(self.bootstrap, [s.turns_topic, s.dead_letter_topic])
-        consumer = AIOKafkaConsumer(
-            s.turns_topic, bootstrap_servers=self.bootstrap, group_id=s.consumer_group,
-            enable_auto_commit=False, auto_offset_reset="earliest",
-            session_timeout_ms=s.kafka_session_timeout_ms,
-            heartbeat_interval_ms=max(100, s.kafka_session_timeout_ms // 5),
-            max_poll_records=s.ingest_batch_size,
-        )
-        producer = make_producer(self.bootstrap)
-        await producer.start()
-        await consumer.start()
+        clients = await self._connect()
+        if clients is None:
+            return self.stats
+        consumer, producer = clients
         idle_since = time.monotonic()
         self.ready = True
         try:
@@ -125,9 +119,10 @@ class IngestWorker:
                 failpoints.hit("ingest.before_offset_commit")
                 try:
                     await consumer.commit(offsets)
-                except CommitFailedError as exc:
-                    # The group rebalanced: another member redelivers; writes are idempotent.
-                    log.warning("offset commit failed after rebalance: %s", exc)
+                except KafkaError as exc:
+                    # A rebalance or a broker restart: the records are redelivered (to us or
+                    # another member) and rewritten idempotently; a later commit supersedes.
+                    log.warning("offset commit failed: %s", exc)
                 idle_since = time.monotonic()
                 await self._report_lag(consumer)
         finally:
@@ -136,13 +131,47 @@ class IngestWorker:
             await producer.stop()
         return self.stats
 
+    async def _connect(self) -> tuple[AIOKafkaConsumer, AIOKafkaProducer] | None:
+        """Create the topics and start a consumer and a producer, retrying while the broker is
+        unreachable (a worker started during a broker restart waits instead of crash-looping).
+        None when asked to stop first."""
+        s = self.settings
+        delay = 0.5
+        while not self._stop.is_set():
+            consumer = AIOKafkaConsumer(
+                s.turns_topic, bootstrap_servers=self.bootstrap, group_id=s.consumer_group,
+                enable_auto_commit=False, auto_offset_reset="earliest",
+                session_timeout_ms=s.kafka_session_timeout_ms,
+                heartbeat_interval_ms=max(100, s.kafka_session_timeout_ms // 5),
+                max_poll_records=s.ingest_batch_size,
+            )
+            producer = make_producer(self.bootstrap)
+            try:
+                await ensure_topics(self.bootstrap, [s.turns_topic, s.dead_letter_topic])
+                await producer.start()
+                await consumer.start()
+                return consumer, producer
+            except KafkaConnectionError as exc:
+                log.warning("broker unreachable (%s); retrying in %.1fs", exc, delay)
+                await producer.stop()
+                await consumer.stop()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                delay = min(delay * 2, DB_RETRY_MAX_S)
+        return None
+
     async def _apply_back_pressure(self, consumer: AIOKafkaConsumer) -> None:
         """Pause every assigned partition while the encode backlog is over its limit; resume
         below half of it. Nothing is buffered meanwhile: the consumer just stops fetching."""
         if self.backlog is None or time.monotonic() - self._backlog_checked < 1.0:
             return
         self._backlog_checked = time.monotonic()
-        pending = await self.backlog()
+        try:
+            pending = await self.backlog()
+        except Exception as exc:
+            if not is_transient_db_error(exc):
+                raise
+            return  # the database is restarting: keep the current state, check again later
         observe.PENDING_FACTS.set(pending)
         limit = self.settings.max_pending_facts
         if pending > limit and consumer.assignment() - consumer.paused():
