@@ -1,13 +1,17 @@
 """Shared, session-scoped infrastructure: a real Kafka-protocol broker and a real Postgres.
 
-When INFERSCALE_KAFKA_BOOTSTRAP and INFERSCALE_DATABASE_URL are set (e.g. `docker compose up`),
-the suite runs against them; otherwise it starts the embedded tansu broker and Postgres.
+When INFERSCALE_KAFKA_BOOTSTRAP and INFERSCALE_DATABASE_URL are set, the suite runs against
+them; INFERSCALE_TEST_COMPOSE=1 brings up compose.yaml's Kafka and Postgres and points the suite
+at them (every test is skipped, with the reason, where no Docker engine runs); otherwise the
+suite starts the embedded tansu broker and Postgres.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -18,9 +22,49 @@ from inferscale.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "inferscale" / "data" / "sample_conversation.json"
+COMPOSE_ENDPOINTS = {
+    "INFERSCALE_KAFKA_BOOTSTRAP": "localhost:29092",
+    "INFERSCALE_DATABASE_URL": "postgresql+asyncpg://inferscale:inferscale@localhost:5432/inferscale",
+}
+
+
+def docker_problem(need_engine: bool = True) -> str | None:
+    """Why `docker compose` (with a running engine, if ``need_engine``) cannot work here."""
+    if shutil.which("docker") is None:
+        return "no docker CLI on PATH"
+    checks = [["docker", "compose", "version"]]
+    if need_engine:
+        checks.append(["docker", "info", "--format", "{{.ServerVersion}}"])
+    for args in checks:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            output = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+            return f"`{' '.join(args)}` failed: {output[0]}"
+    return None
+
+
+def _compose_up() -> str | None:
+    """Start compose.yaml's broker and database and point the suite at them; else why not."""
+    problem = docker_problem()
+    if problem is None:
+        subprocess.run(["docker", "compose", "-f", str(ROOT / "compose.yaml"), "up", "-d",
+                        "--wait", "kafka", "postgres"], check=True, timeout=900)
+        os.environ.update(COMPOSE_ENDPOINTS)
+    return problem
+
+
+COMPOSE_SKIP = _compose_up() if os.environ.get("INFERSCALE_TEST_COMPOSE") == "1" else None
 EXTERNAL_INFRA = bool(
     os.environ.get("INFERSCALE_KAFKA_BOOTSTRAP") and os.environ.get("INFERSCALE_DATABASE_URL")
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    if COMPOSE_SKIP:
+        skip = pytest.mark.skip(reason="INFERSCALE_TEST_COMPOSE=1 but no Docker engine runs "
+                                       f"here: {COMPOSE_SKIP}")
+        for item in items:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
-"""compose.yaml is checked statically (no Docker engine runs here)."""
+"""compose.yaml: checked statically everywhere, and by `docker compose config` where it runs."""
 
+import subprocess
+
+import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, docker_problem
 from inferscale.settings import Settings
 
 
@@ -30,3 +33,12 @@ def test_every_inferscale_env_key_is_a_setting():
     assert keys, "compose passes no InferScale settings"
     unknown = {k for k in keys if k.removeprefix("INFERSCALE_").lower() not in fields}
     assert not unknown, f"compose env keys that no setting reads: {unknown}"
+
+
+def test_docker_compose_accepts_the_file():
+    problem = docker_problem(need_engine=False)
+    if problem:
+        pytest.skip(f"no docker compose here: {problem}")
+    done = subprocess.run(["docker", "compose", "-f", str(ROOT / "compose.yaml"), "config", "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
