@@ -174,28 +174,37 @@ class EncodeWorker:
                           ) -> tuple[list[dict], list[tuple[int, str]]]:
         """Blocking: one batched forward pass, durable writes; isolates failures per fact."""
         try:
-            return self._encode_batch(pending), []
+            return self._encode_batch(pending)
         except Exception as exc:  # noqa: BLE001 - retried fact by fact below to isolate it
             if len(pending) == 1:
                 return [], [(pending[0].id, failure_reason(exc))]
         done, failures = [], []
         for fact in pending:
             try:
-                done += self._encode_batch([fact])
+                stored, failed = self._encode_batch([fact])
             except Exception as exc:  # noqa: BLE001 - recorded and retried later
-                failures.append((fact.id, failure_reason(exc)))
+                stored, failed = [], [(fact.id, failure_reason(exc))]
+            done += stored
+            failures += failed
         return done, failures
 
-    def _encode_batch(self, pending: list[PendingFact]) -> list[dict]:
+    def _encode_batch(self, pending: list[PendingFact]
+                      ) -> tuple[list[dict], list[tuple[int, str]]]:
+        """One forward pass for the batch, then one durable write per fact; a write that fails
+        (disk full, ...) fails only its fact, and the batch is not encoded again for it."""
         items = [self.encoder.fact_item(f.text, f.context) for f in pending]
         spans = self.encoder.encode(items)
-        rows = []
+        rows, failures = [], []
         for fact, span in zip(pending, spans, strict=True):
-            stored = self.store.put(str(fact.id), span.k, span.v, span.token_ids,
-                                    window=self.settings.window)
+            try:
+                stored = self.store.put(str(fact.id), span.k, span.v, span.token_ids,
+                                        window=self.settings.window)
+            except OSError as exc:
+                failures.append((fact.id, failure_reason(exc)))
+                continue
             rows.append({
                 "id": fact.id, "token_ids": span.token_ids, "window": self.settings.window,
                 "fingerprint": self.store.fingerprint, "location": stored.location,
                 "nbytes": stored.nbytes, "checksum": stored.checksum,
             })
-        return rows
+        return rows, failures
