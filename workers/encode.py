@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale import failpoints
 from inferscale.db.queries import (
+    STORAGE_FAILURE,
     PendingFact,
     claim_pending_facts,
     record_encode_failure,
@@ -39,7 +40,7 @@ PREAMBLE = "preamble"
 def failure_reason(exc: BaseException) -> str:
     """``storage: ...`` for durable-tier errors (disk full, permission denied: retried until
     they clear), ``encode: ...`` for the rest (retried ``encode_max_attempts`` times)."""
-    kind = "storage" if isinstance(exc, OSError) else "encode"
+    kind = STORAGE_FAILURE if isinstance(exc, OSError) else "encode"
     return f"{kind}: {type(exc).__name__}: {exc}"
 
 

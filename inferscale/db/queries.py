@@ -128,6 +128,10 @@ async def delete_user(conn: AsyncConnection, user_id: str) -> list[str]:
 
 
 
+# Encode errors starting "storage:" (the durable tier failed) are retried until they clear.
+STORAGE_FAILURE = "storage"
+
+
 @dataclass(frozen=True)
 class PendingFact:
     """A fact waiting for its KV, with the conversation context that preceded it."""
@@ -152,12 +156,13 @@ async def claim_pending_facts(conn: AsyncConnection, limit: int, window: int,
                    ORDER BY c.ts DESC, c.id DESC LIMIT :window), '{}') AS context
         FROM facts f
         WHERE f.kv_location IS NULL AND f.deleted_at IS NULL
-          AND (f.encode_attempts < :max_attempts OR f.encode_error LIKE 'storage:%')
+          AND (f.encode_attempts < :max_attempts OR f.encode_error LIKE :storage_failure)
           AND (f.retry_at IS NULL OR f.retry_at <= now())
         ORDER BY f.encode_attempts, f.id
         LIMIT :limit
         FOR UPDATE OF f SKIP LOCKED
-    """), {"limit": limit, "window": window, "max_attempts": max_attempts})).all()
+    """), {"limit": limit, "window": window, "max_attempts": max_attempts,
+          "storage_failure": f"{STORAGE_FAILURE}:%"})).all()
     return [PendingFact(id=r.id, text=r.text, context=list(reversed(r.context))) for r in rows]
 
 
@@ -193,4 +198,5 @@ async def count_pending_facts(conn: AsyncConnection, max_attempts: int) -> int:
     """Facts still waiting for their KV (and still to be tried, now or after a backoff)."""
     return int(await conn.scalar(select(func.count()).where(
         facts.c.kv_location.is_(None), facts.c.deleted_at.is_(None),
-        (facts.c.encode_attempts < max_attempts) | facts.c.encode_error.like("storage:%"))))
+        (facts.c.encode_attempts < max_attempts)
+        | facts.c.encode_error.like(f"{STORAGE_FAILURE}:%"))))
