@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 from pathlib import Path
 
 import torch
@@ -15,6 +16,15 @@ def machine() -> dict:
 
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def percentile(values: list[float], q: int) -> float | None:
+    """The q-th percentile (inclusive method); the value itself for one sample, None for none."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def write_report(out_dir: Path, name: str, report: dict) -> Path:

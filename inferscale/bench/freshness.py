@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 import uuid
 from datetime import UTC, datetime
@@ -13,7 +12,7 @@ import httpx
 from sqlalchemy import select
 
 from inferscale.bench.client import stream_chat
-from inferscale.bench.common import print_table, write_report
+from inferscale.bench.common import percentile, print_table, write_report
 from inferscale.db.engine import create_engine
 from inferscale.db.tables import facts
 from inferscale.events import TurnEvent
@@ -74,11 +73,8 @@ def run(settings: Settings, out_dir: Path, n: int = 20, poll_s: float = 0.05) ->
     used = [r["used_as_text_s"] for r in results]
     injected = [r["injected_s"] for r in results if r["injected_s"] is not None]
 
-    def pct(values: list[float], q: int) -> float:
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-    rows = [["in a prompt (text or KV)", pct(used, 50), pct(used, 95)],
-            ["injected as KV", pct(injected, 50), pct(injected, 95)]]
+    rows = [["in a prompt (text or KV)", percentile(used, 50), percentile(used, 95)],
+            ["injected as KV", percentile(injected, 50), percentile(injected, 95)]]
     print_table(["publish -> first query using the fact", "p50 s", "p95 s"], rows)
     report = {"n": n, "results": results, "p50_used_s": rows[0][1], "p95_used_s": rows[0][2],
               "p50_injected_s": rows[1][1], "p95_injected_s": rows[1][2]}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 import uuid
 from datetime import datetime
@@ -11,17 +10,13 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from inferscale.bench.common import print_table, write_report
+from inferscale.bench.common import percentile, print_table, write_report
 from inferscale.db.engine import create_engine
 from inferscale.db.tables import facts, turns
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.settings import Settings
 from inferscale.sources import read_turns
 from inferscale.stack import prepare, worker_process
-
-
-def _pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 async def _one_run(settings: Settings, events, timeout_s: float) -> dict:
@@ -57,8 +52,8 @@ async def _one_run(settings: Settings, events, timeout_s: float) -> dict:
     return {"turns": len(events), "stored_s": stored_at, "encoded_s": encoded_at,
             "turns_per_s": len(events) / stored_at if stored_at else None,
             "facts_encoded_per_s": len(events) / encoded_at if encoded_at else None,
-            "publish_to_stored_p50_s": _pct(latencies, 50),
-            "publish_to_stored_p95_s": _pct(latencies, 95)}
+            "publish_to_stored_p50_s": percentile(latencies, 50),
+            "publish_to_stored_p95_s": percentile(latencies, 95)}
 
 
 def run(settings: Settings, data: Path, out_dir: Path, limit: int = 400,

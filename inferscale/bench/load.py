@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import statistics
 import time
 import uuid
 from datetime import UTC, datetime
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from inferscale.bench.common import print_table, write_report
+from inferscale.bench.common import percentile, print_table, write_report
 from inferscale.bench.throughput import poisson_load
 from inferscale.bench.ttft import ingest_user, prepare_user
 from inferscale.db.engine import create_engine
@@ -29,13 +28,6 @@ from inferscale.kafka import make_producer
 from inferscale.settings import Settings
 from inferscale.sources import read_turns
 from inferscale.stack import server_process, worker_process
-
-
-def _pct(values: list[float], q: int) -> float | None:
-    if not values:
-        return None
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(
-        values) > 1 else values[0]
 
 
 async def generate_turns(settings: Settings, texts: list[str], prefix: str, users: int,
@@ -82,7 +74,7 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
         phases.append({"ingest_rate": rate, "began": began, "ended": time.time(),
                        "published": published, "ttfts": ttfts})
         print(f"ingest {rate} turns/s: query TTFT p50 "
-              f"{_pct([t for t in ttfts if t is not None], 50):.3f}s", flush=True)
+              f"{percentile([t for t in ttfts if t is not None], 50):.3f}s", flush=True)
     engine = create_engine(settings.database_url)
     try:
         deadline = time.monotonic() + drain_s
@@ -115,9 +107,9 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
         results.append({
             "ingest_rate": phase["ingest_rate"], "turns_published": len(phase["published"]),
             "queries": len(phase["ttfts"]), "queries_failed": len(phase["ttfts"]) - len(ok),
-            "ttft_p50_s": _pct(ok, 50), "ttft_p90_s": _pct(ok, 90),
-            "stored_p50_s": _pct(stored, 50), "stored_p95_s": _pct(stored, 95),
-            "encoded_p50_s": _pct(encoded, 50), "encoded_p95_s": _pct(encoded, 95),
+            "ttft_p50_s": percentile(ok, 50), "ttft_p90_s": percentile(ok, 90),
+            "stored_p50_s": percentile(stored, 50), "stored_p95_s": percentile(stored, 95),
+            "encoded_p50_s": percentile(encoded, 50), "encoded_p95_s": percentile(encoded, 95),
             "not_encoded_by_end": missing,
             "facts_encoded_per_s": encoded_in_phase / (phase["ended"] - phase["began"]),
         })

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import time
 from pathlib import Path
 
 import httpx
 
 from inferscale.bench.client import stream_chat
-from inferscale.bench.common import print_table, write_report
+from inferscale.bench.common import percentile, print_table, write_report
 from inferscale.bench.ttft import ingest_user, prepare_user
 from inferscale.settings import Settings
 from inferscale.stack import server_process, worker_process
@@ -61,8 +60,7 @@ def run(settings: Settings, data: Path, out_dir: Path, rates: tuple[float, ...] 
                 ok = [t for t in ttfts if t is not None]
                 good = [t for t in ok if t <= ttft_target_s]
                 row = {"rate": rate, "mode": mode, "sent": len(ttfts), "completed": len(ok),
-                       "ttft_p50_s": statistics.median(ok) if ok else None,
-                       "ttft_p90_s": statistics.quantiles(ok, n=10)[-1] if len(ok) > 1 else None,
+                       "ttft_p50_s": percentile(ok, 50), "ttft_p90_s": percentile(ok, 90),
                        "goodput_rps": len(good) / duration_s}
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from inferscale.bench.client import engine_ttft_totals, stream_chat
-from inferscale.bench.common import print_table, write_report
+from inferscale.bench.common import percentile, print_table, write_report
 from inferscale.db.engine import create_engine
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.settings import Settings
@@ -19,11 +19,6 @@ from inferscale.sources import read_turns
 from inferscale.stack import prepare, server_process, wait_encoded, worker_process
 
 MODES = ("inject", "text", "none")
-
-
-def _p(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(
-        values) > 1 else values[0]
 
 
 async def measure(url: str, user: str, questions: list[str], ks: list[int]) -> list[dict]:
@@ -41,7 +36,7 @@ async def measure(url: str, user: str, questions: list[str], ks: list[int]) -> l
                 ttfts = [r.ttft for r in results]
                 rows.append({
                     "k": k, "mode": mode, "n": len(results),
-                    "ttft_median_s": statistics.median(ttfts), "ttft_p90_s": _p(ttfts, 90),
+                    "ttft_median_s": statistics.median(ttfts), "ttft_p90_s": percentile(ttfts, 90),
                     "engine_ttft_mean_s": (after[0] - before[0]) / max(1, after[1] - before[1]),
                     "prompt_tokens": statistics.median(
                         int(r.headers.get("x-inferscale-prompt-tokens", 0)) for r in results),
