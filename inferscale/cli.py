@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from inferscale.logs import configure
+from inferscale.procs import sigterm_as_interrupt
 from inferscale.settings import Settings, get_settings
 
 
@@ -140,11 +141,10 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale.serve import start_server, stop_server
 
     update = {k: v for k, v in (("server_host", args.host), ("server_port", args.port)) if v}
-    process = start_server(settings.model_copy(update=update), args.vllm_args)
+    vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    process = start_server(settings.model_copy(update=update), vllm_args)
     try:
         return process.wait()
-    except KeyboardInterrupt:
-        return 0
     finally:
         stop_server(process)
 
@@ -240,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     configure(settings.log_format, logging.DEBUG if args.verbose else logging.INFO)
     try:
-        return args.func(args, settings)
+        with sigterm_as_interrupt():
+            return args.func(args, settings)
+    except KeyboardInterrupt:
+        return 130
     except Exception as exc:  # noqa: BLE001 - a CLI prints the error, not a traceback
         from inferscale.infra import InfraError
 

@@ -14,8 +14,10 @@ model or does not match the prompt is reported as failed blocks, which vLLM reco
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from inferscale.fingerprint import model_fingerprint
-from inferscale.kvstore import KVBlobError, KVStore
+from inferscale.kvstore import KVStore
 from inferscale.metrics import KV_METRICS
 from inferscale.plan import PLAN_KEY, PlanError, Segment, verify
-from inferscale.rope import ChunkedRope
+from inferscale.rope import ChunkedRope, model_head_dim
 from inferscale.settings import get_settings
 
 if TYPE_CHECKING:
@@ -43,6 +45,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inferscale.connector")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _never_raises(fallback: Callable[..., Any]):
+    """Hook guard: EngineCore dies on any exception from a connector hook, so an unexpected one
+    is logged and counted, and ``fallback(self, *args)`` answers instead (compute normally)."""
+
+    def wrap(hook):
+        @functools.wraps(hook)
+        def guarded(self, *args, **kwargs):
+            try:
+                return hook(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - nothing may reach EngineCore
+                log.exception("connector hook %s failed; falling back", hook.__name__)
+                KV_METRICS.hook_errors.labels(hook.__name__).inc()
+                return fallback(self, *args, **kwargs)
+
+        return guarded
+
+    return wrap
 
 
 @dataclass
@@ -87,14 +108,17 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._rope = ChunkedRope(model_config.hf_config, model_config.dtype, device,
                                      max_position=max(model_config.max_model_len, 1))
             self._dtype = model_config.dtype
+            hf = model_config.hf_config
+            self._kv_shape = (hf.num_hidden_layers, model_config.get_total_num_kv_heads(),
+                              model_head_dim(hf))
         else:
             self._store = KVStore(settings.kv_path, self._fingerprint, host_bytes=0)
 
     # --- scheduler side -----------------------------------------------------------------------
 
     def _plan_for(self, request: Request):
-        params = request.kv_transfer_params or {}
-        if PLAN_KEY not in params:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or PLAN_KEY not in params:
             return None
         try:
             plan = verify(params[PLAN_KEY], self._secret)
@@ -106,6 +130,11 @@ class InferScaleConnector(KVConnectorBase_V1):
             return None
         return plan
 
+    def _claim_nothing(self, request: Request, *_: Any) -> tuple[int, bool]:
+        self._pending.pop(request.request_id, None)
+        return 0, False
+
+    @_never_raises(_claim_nothing)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         plan = self._plan_for(request)
@@ -127,6 +156,10 @@ class InferScaleConnector(KVConnectorBase_V1):
                                                      end, segments)
         return end - num_computed_tokens, False
 
+    def _blocks_later(self, request: Request, *_: Any) -> None:
+        """build_connector_meta takes the claim's blocks from the scheduler output instead."""
+
+    @_never_raises(_blocks_later)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         spec = self._pending.get(request.request_id)
@@ -138,6 +171,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         spec.block_ids = list(blocks.get_block_ids()[0])
         self._claimed[request.request_id] = num_external_tokens
 
+    @_never_raises(lambda self, *_: InferScaleMetadata())
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = InferScaleMetadata()
         scheduled = {r.req_id: r for r in scheduler_output.scheduled_new_reqs}
@@ -156,16 +190,24 @@ class InferScaleConnector(KVConnectorBase_V1):
             del self._pending[req_id]
         return meta
 
+    @_never_raises(lambda self, *_: (False, None))
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         self._pending.pop(request.request_id, None)
         injected = self._claimed.pop(request.request_id, 0)
-        if PLAN_KEY not in (request.kv_transfer_params or {}):
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or PLAN_KEY not in params:
             return False, None
         return False, {"injected_tokens": injected}
 
     # --- worker side --------------------------------------------------------------------------
 
+    def _fail_all_loads(self, *_: Any, **__: Any) -> None:
+        meta = self._get_connector_metadata()
+        for spec in getattr(meta, "loads", []):
+            self._failed_blocks |= self._blocks_of(spec)
+
+    @_never_raises(_fail_all_loads)
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, InferScaleMetadata) or not meta.loads:
@@ -178,15 +220,17 @@ class InferScaleConnector(KVConnectorBase_V1):
         for spec in loads:
             try:
                 k, v = self._gather(spec)
-            except (KVBlobError, ValueError) as exc:
+                positions = torch.arange(spec.start, spec.end, device=k.device)
+                rotated, slot_mapping = self._rope.rotate(k, positions), self._slots(spec,
+                                                                                     positions)
+            except Exception as exc:  # noqa: BLE001 - any bad blob or spec: recompute it
                 log.warning("request %s: falling back to prefill: %s", spec.request_id, exc)
                 KV_METRICS.load_failures.labels(getattr(exc, "reason", "mismatch")).inc()
                 self._failed_blocks |= self._blocks_of(spec)
                 continue
-            positions = torch.arange(spec.start, spec.end, device=k.device)
-            keys.append(self._rope.rotate(k, positions))
+            keys.append(rotated)
             values.append(v)
-            slots.append(self._slots(spec, positions))
+            slots.append(slot_mapping)
         if not keys:
             return
         k, v = torch.cat(keys, dim=1), torch.cat(values, dim=1)
@@ -205,8 +249,10 @@ class InferScaleConnector(KVConnectorBase_V1):
             blob = self._store.get(self._store.location_for(segment.name), segment.checksum)
             if blob.token_ids != segment.token_ids:
                 raise ValueError(f"blob {segment.name} does not match the prompt tokens")
-            if blob.k.dtype != self._dtype:
-                raise ValueError(f"blob {segment.name} is {blob.k.dtype}, serving {self._dtype}")
+            if blob.k.dtype != self._dtype or (blob.k.shape[0], *blob.k.shape[2:]) != (
+                    self._kv_shape):
+                raise ValueError(f"blob {segment.name} is {blob.k.dtype} {tuple(blob.k.shape)},"
+                                 f" not the serving model's layout")
             skip = max(0, spec.start - segment.start)
             ks.append(blob.k[:, skip:])
             vs.append(blob.v[:, skip:])
@@ -233,6 +279,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._layers = layers
         return self._layers
 
+    @_never_raises(lambda self: set())
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed

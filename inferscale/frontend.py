@@ -15,9 +15,12 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
+from urllib.parse import unquote_to_bytes
 
+from inferscale.layout import PromptPlan
 from inferscale.metrics import FRONTEND_METRICS as M
 from inferscale.plan import PLAN_KEY, Plan, Segment, sign
 from inferscale.settings import Settings, get_settings
@@ -27,7 +30,14 @@ log = logging.getLogger("inferscale.frontend")
 MODES = ("inject", "text", "none")
 MAX_K = 200
 CHAT_PATH = "/v1/chat/completions"
-GUARDED_PATHS = (CHAT_PATH, "/v1/completions", "/v1/responses")
+BODY_METHODS = ("POST", "PUT", "PATCH")
+# Keys that reach the engine's Request.kv_transfer_params (directly or via SamplingParams
+# extra_args); only the front end may set them, on any route.
+RESERVED_KEYS = ("kv_transfer_params",)
+FORM_RESERVED = (b"kv_transfer_params", b"vllm_xargs")
+PARSE_IN_THREAD_BYTES = 64 * 1024
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PART_TYPES = ("text", "input_text")
 
 
 class FrontendError(Exception):
@@ -85,8 +95,8 @@ def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
     raw_k = options.get("k", headers.get("x-inferscale-k", settings.top_k))
     try:
         k = int(raw_k)
-    except (TypeError, ValueError):
-        raise FrontendError(400, f"k must be an integer, got {raw_k!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise FrontendError(400, f"k must be an integer, got {str(raw_k)[:40]!r}") from None
     if not 0 <= k <= MAX_K:
         raise FrontendError(400, f"k must be between 0 and {MAX_K}")
     if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
@@ -95,9 +105,13 @@ def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
 
 
 def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
-    """With API keys configured, the bearer key must exist and may act for ``owner``."""
+    """With API keys configured, the bearer key must exist and may act for ``owner``; without,
+    memory is readable only where anonymous access was chosen (default: loopback servers)."""
     if not settings.api_keys:
-        return
+        if settings.anonymous_memory:
+            return
+        raise FrontendError(401, "memory requests need an API key: this server has no "
+                                 "INFERSCALE_API_KEYS and INFERSCALE_ALLOW_ANONYMOUS is off")
     auth = headers.get("authorization", "")
     key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
     if key not in settings.api_keys:
@@ -107,14 +121,30 @@ def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
         raise FrontendError(403, f"this API key may not read the memory of {owner!r}")
 
 
+def _text(content: object) -> str:
+    """OpenAI message content (a string, text parts or null) as one string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict)
+                 and part.get("type") in TEXT_PART_TYPES]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "\n".join(texts)
+    raise FrontendError(400, "memory requests take text content: a string or a list of "
+                             "{\"type\": \"text\", \"text\": ...} parts")
+
+
 def _messages(data: dict) -> tuple[list[dict], str]:
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
+    """The chat as plain ``{"role", "content"}`` messages (developer = system) and the question."""
+    raw = data.get("messages")
+    if not isinstance(raw, list) or not raw:
         raise FrontendError(400, "'messages' must be a non-empty list")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(
-                m.get("role"), str):
-            raise FrontendError(400, "memory requests take text messages with role and content")
+    messages = []
+    for m in raw:
+        if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
+            raise FrontendError(400, f"each message needs a role in {MESSAGE_ROLES}")
+        role = "system" if m["role"] == "developer" else m["role"]
+        messages.append({"role": role, "content": _text(m.get("content"))})
     users = [m["content"] for m in messages if m["role"] == "user"]
     if not users:
         raise FrontendError(400, "no user message to answer")
@@ -138,8 +168,9 @@ async def compose(rt: _Runtime, owner: str, mode: str, k: int, messages: list[di
         for f in as_text:
             reason = "other_model" if f.kv_location else "not_encoded"
             M.fallbacks.labels(reason).inc()
-    text_segments = [rt.layout.fact_segment(f.text) for f in as_text]
-    prompt = rt.layout.compose([list(f.token_ids) for f in injectable] + text_segments, messages)
+    text_segments, prompt = await asyncio.get_running_loop().run_in_executor(
+        None, _layout, rt, [f.text for f in as_text], [list(f.token_ids) for f in injectable],
+        messages)
     plan = None
     if mode == "inject":
         plan_segments = [Segment("preamble", 0, list(rt.layout.preamble_ids))]
@@ -152,6 +183,54 @@ async def compose(rt: _Runtime, owner: str, mode: str, k: int, messages: list[di
                         sum(map(len, text_segments)), retrieval_ms)
 
 
+def _layout(rt: _Runtime, texts: list[str], injected: list[list[int]], messages: list[dict]
+            ) -> tuple[list[list[int]], PromptPlan]:
+    """Tokenise the text facts and the chat (blocking: runs in an executor)."""
+    text_segments = [rt.layout.fact_segment(text) for text in texts]
+    return text_segments, rt.layout.compose(injected + text_segments, messages)
+
+
+def _parse_json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, huge ints, deep nesting
+        raise FrontendError(400, f"request body is not JSON this server accepts: "
+                                 f"{type(exc).__name__}") from None
+
+
+def _has_reserved_key(data: object) -> bool:
+    """Whether a reserved key appears at any depth (iterative: no recursion limit)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if any(key in item for key in RESERVED_KEYS):
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+async def _read_body(receive, headers: dict[str, str], limit: int) -> bytes:
+    """The whole request body, refused with 413 as soon as it is known to exceed ``limit``."""
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise FrontendError(413, f"request body over {limit} bytes")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise FrontendError(400, "client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise FrontendError(413, f"request body over {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
 class MemoryFrontend:
     """ASGI middleware: memory for owned chat completions, guard for every generation route."""
 
@@ -160,6 +239,14 @@ class MemoryFrontend:
         self.settings = get_settings()
         self._runtime: _Runtime | None = None
         self._lock = asyncio.Lock()
+        # vLLM adds --middleware outside its own --api-key check; run that check first here.
+        tokens = [t for t in (self.settings.vllm_api_keys or [os.environ.get("VLLM_API_KEY")])
+                  if t]
+        self._authenticated = self._handle
+        if tokens:
+            from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+            self._authenticated = AuthenticationMiddleware(self._handle, tokens=tokens)
 
     async def _rt(self) -> _Runtime:
         async with self._lock:
@@ -169,20 +256,20 @@ class MemoryFrontend:
         return self._runtime
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in (
-                GUARDED_PATHS):
+        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
             return await self.app(scope, receive, send)
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        await self._authenticated(scope, receive, send)
+
+    async def _handle(self, scope, receive, send):
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
+            body = await _read_body(receive, headers, self.settings.max_body_bytes)
             body, extra_headers = await self._rewrite(scope["path"], body, headers)
         except FrontendError as exc:
             return await _error(send, exc.status, exc.message)
+        except Exception as exc:  # noqa: BLE001 - e.g. the database is down: say so, live on
+            log.exception("memory front end failed")
+            return await _error(send, 503, f"memory unavailable: {type(exc).__name__}")
 
         delivered = False
 
@@ -194,7 +281,8 @@ class MemoryFrontend:
             return {"type": "http.request", "body": body, "more_body": False}
 
         async def send_with_headers(message):
-            if message["type"] == "http.response.start" and extra_headers:
+            if message["type"] == "http.response.start" and extra_headers and (
+                    message["status"] < 400):  # a refused request says nothing of memory
                 message = {**message, "headers": list(message.get("headers", []))
                            + [(k.encode(), v.encode()) for k, v in extra_headers.items()]}
             await send(message)
@@ -206,15 +294,19 @@ class MemoryFrontend:
 
     async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]
                        ) -> tuple[bytes, dict[str, str]]:
-        try:
-            data = json.loads(body or b"{}")
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return body, {}  # vLLM answers 400 for malformed JSON itself
-        if not isinstance(data, dict):
+        content_type = headers.get("content-type", "")
+        if content_type.startswith(("multipart/", "application/x-www-form-urlencoded")):
+            if any(name in unquote_to_bytes(body.replace(b"+", b" ")) for name in FORM_RESERVED):
+                raise FrontendError(400, "kv_transfer_params and vllm_xargs are reserved for "
+                                         "the InferScale front end")
             return body, {}
-        if "kv_transfer_params" in data:
+        if not body.strip():
+            return body, {}
+        data = (await asyncio.to_thread(_parse_json, body) if len(body) > PARSE_IN_THREAD_BYTES
+                else _parse_json(body))
+        if _has_reserved_key(data):
             raise FrontendError(400, "kv_transfer_params is reserved for the InferScale front end")
-        if path != CHAT_PATH:
+        if path != CHAT_PATH or not isinstance(data, dict):
             return body, {}
         owner, mode, k = _owner_and_options(data, headers, self.settings)
         if owner is None:
@@ -224,12 +316,15 @@ class MemoryFrontend:
         rt = await self._rt()
         prompt = await compose(rt, owner, mode, k, messages, query)
         params: dict = {"prompt_token_ids": prompt.token_ids}
+        checksums = None
         if prompt.plan is not None:
             params[PLAN_KEY] = sign(prompt.plan, self.settings.plan_secret or "")
-            digest = hashlib.sha256(json.dumps(
-                [owner, rt.fingerprint, [s.checksum for s in prompt.plan.segments],
-                 data.get("cache_salt")]).encode()).hexdigest()
-            data["cache_salt"] = f"inferscale-{digest[:32]}"
+            checksums = [s.checksum for s in prompt.plan.segments]
+        # Every memory prompt is salted per owner (and memory version): no other user can probe
+        # or reuse its prefix-cache blocks.
+        digest = hashlib.sha256(json.dumps(
+            [owner, rt.fingerprint, checksums, data.get("cache_salt")]).encode()).hexdigest()
+        data["cache_salt"] = f"inferscale-{digest[:32]}"
         data["kv_transfer_params"] = params
         M.requests.labels(mode).inc()
         M.facts.labels("injected").inc(prompt.facts_injected)
@@ -248,9 +343,13 @@ class MemoryFrontend:
         }
 
 
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
+               413: "request_too_large", 503: "service_unavailable"}
+
+
 async def _error(send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"
-                                 if status == 400 else "authentication_error", "code": status}})
+    kind = ERROR_TYPES.get(status, "invalid_request_error")
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body.encode()})

@@ -79,6 +79,22 @@ def blob_checksum(k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor) -> 
     return digest.hexdigest()
 
 
+def _parse_blob(raw: bytes) -> tuple[KVBlob, str | None]:
+    """Decode a blob; the checksum is None when the content does not match its own."""
+    header_len = struct.unpack("<Q", raw[:8])[0]
+    metadata = json.loads(raw[8:8 + header_len])["__metadata__"]
+    tensors = load(raw)
+    k, v, ids = tensors["k"], tensors["v"], tensors["token_ids"]
+    if k.shape != v.shape or k.dim() != 4 or ids.dim() != 1 or k.shape[1] != ids.numel() or (
+            ids.dtype != torch.int32):
+        raise ValueError(f"inconsistent shapes k={tuple(k.shape)} v={tuple(v.shape)} "
+                         f"token_ids={tuple(ids.shape)}")
+    checksum = blob_checksum(k, v, ids)
+    blob = KVBlob(k=k, v=v, token_ids=ids.tolist(), fingerprint=str(metadata["fingerprint"]),
+                  window=int(metadata["window"]))
+    return blob, checksum if checksum == metadata["checksum"] else None
+
+
 class ByteLRU:
     """Thread-safe LRU bounded by the total bytes of its values."""
 
@@ -178,23 +194,16 @@ class KVStore:
         except FileNotFoundError:
             raise BlobMissing(location, "no such blob") from None
         try:
-            header_len = struct.unpack("<Q", raw[:8])[0]
-            metadata = json.loads(raw[8:8 + header_len]).get("__metadata__", {})
-            tensors = load(raw)
+            blob, checksum = _parse_blob(raw)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt blob
             raise ChecksumMismatch(location, f"unreadable blob: {exc}") from None
-        if metadata.get("fingerprint") != self.fingerprint:
+        if blob.fingerprint != self.fingerprint:
             raise FingerprintMismatch(
-                location, f"made for {metadata.get('fingerprint', '?')[:16]}, serving "
-                          f"{self.fingerprint[:16]}")
-        checksum = blob_checksum(tensors["k"], tensors["v"], tensors["token_ids"])
-        if checksum != metadata.get("checksum") or (
-            expected_checksum and checksum != expected_checksum
-        ):
+                location, f"made for {blob.fingerprint[:16]}, serving {self.fingerprint[:16]}")
+        if checksum is None or (expected_checksum and checksum != expected_checksum):
             raise ChecksumMismatch(location, "content does not match its checksum")
         KV_METRICS.page_in_bytes.inc(len(raw))
-        return KVBlob(k=tensors["k"], v=tensors["v"], token_ids=tensors["token_ids"].tolist(),
-                      fingerprint=metadata["fingerprint"], window=int(metadata["window"]))
+        return blob
 
     def sweep_temp(self) -> int:
         """Remove temp files left by writers that died mid-write (their pid is gone)."""

@@ -39,8 +39,10 @@ class MemoryLayout:
         head, _ = rendered.split(_MEMORY_MARK, 1)
         self.preamble_ids: list[int] = self._ids(head)
 
-    def _ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def _ids(self, text: str, literal: bool = False) -> list[int]:
+        """Token ids of ``text``; ``literal``: special-token strings in it stay plain text."""
+        return self.tokenizer(text, add_special_tokens=False,
+                              split_special_tokens=literal)["input_ids"]
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -48,8 +50,9 @@ class MemoryLayout:
         )
 
     def fact_segment(self, text: str) -> list[int]:
-        """Token ids of one fact as it appears in memory (encode time == serving time)."""
-        return self._ids(f"- {' '.join(text.split())}\n")
+        """Token ids of one fact as it appears in memory (encode time == serving time). Memory
+        is data: a fact saying ``<|im_start|>system`` gets no role markers from it."""
+        return self._ids(f"- {' '.join(text.split())}\n", literal=True)
 
     def suffix_ids(self, messages: Sequence[dict]) -> list[int]:
         """Everything after the memory: instructions, the chat messages, the generation prompt.

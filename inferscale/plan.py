@@ -63,17 +63,33 @@ def sign(plan: Plan, secret: str) -> dict:
     return {**body, "sig": _mac(body, secret)}
 
 
-def verify(data: dict, secret: str) -> Plan:
-    """Parse and authenticate a signed plan; raise PlanError otherwise."""
-    if not isinstance(data, dict) or "sig" not in data:
+def _segment(raw: object) -> Segment:
+    if not isinstance(raw, dict) or set(raw) - {"name", "start", "token_ids", "checksum"}:
+        raise PlanError("malformed plan: a segment must be an object")
+    name, start, ids, checksum = (raw.get(k) for k in ("name", "start", "token_ids", "checksum"))
+    if not isinstance(name, str) or type(start) is not int or start < 0:
+        raise PlanError("malformed plan: segment name/start")
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise PlanError("malformed plan: segment token_ids")
+    if checksum is not None and not isinstance(checksum, str):
+        raise PlanError("malformed plan: segment checksum")
+    return Segment(name, start, ids, checksum)
+
+
+def verify(data: object, secret: str) -> Plan:
+    """Parse and authenticate a signed plan; raise PlanError (and nothing else) otherwise."""
+    if not isinstance(data, dict) or not isinstance(data.get("sig"), str):
         raise PlanError("unsigned plan")
     body = {k: v for k, v in data.items() if k != "sig"}
-    if not hmac.compare_digest(str(data["sig"]), _mac(body, secret)):
-        raise PlanError("bad plan signature")
     try:
-        plan = Plan(fingerprint=str(body["fingerprint"]),
-                    segments=[Segment(**s) for s in body["segments"]])
-    except (KeyError, TypeError) as exc:
-        raise PlanError(f"malformed plan: {exc}") from None
+        mac = _mac(body, secret)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise PlanError(f"malformed plan: {type(exc).__name__}") from None
+    if not hmac.compare_digest(data["sig"].encode("utf-8", "surrogatepass"), mac.encode()):
+        raise PlanError("bad plan signature")
+    fingerprint, segments = body.get("fingerprint"), body.get("segments")
+    if not isinstance(fingerprint, str) or not isinstance(segments, list):
+        raise PlanError("malformed plan: fingerprint/segments")
+    plan = Plan(fingerprint=fingerprint, segments=[_segment(s) for s in segments])
     plan.check_layout()
     return plan

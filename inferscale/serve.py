@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -14,8 +15,9 @@ from pathlib import Path
 
 from inferscale.db.engine import resolve_database_url
 from inferscale.model_prep import resolve_model_path
-from inferscale.settings import Settings
+from inferscale.settings import Settings, settings_env
 
+log = logging.getLogger("inferscale.serve")
 KV_TRANSFER_CONFIG = {
     "kv_connector": "InferScaleConnector",
     "kv_connector_module_path": "inferscale.connector",
@@ -36,6 +38,22 @@ def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
         ensure_preamble(FactEncoder(model_path, device=settings.device), store)
 
 
+def api_keys_in(vllm_args: list[str]) -> list[str]:
+    """The values of vLLM's ``--api-key`` in a vLLM command line (``--api-key A B``, ``=A``)."""
+    keys, taking = [], False
+    for arg in vllm_args:
+        if arg.startswith("--api-key="):
+            keys.append(arg.split("=", 1)[1])
+            taking = False
+        elif arg == "--api-key":
+            taking = True
+        elif taking and not arg.startswith("-"):
+            keys.append(arg)
+        else:
+            taking = False
+    return keys
+
+
 def server_command(settings: Settings, extra_args: list[str] | None = None
                    ) -> tuple[list[str], dict[str, str]]:
     """The vLLM server command line and environment for these settings."""
@@ -43,13 +61,16 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
     metrics_dir = settings.data_dir / "prometheus" / str(settings.server_port)
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
+    extra_args = list(extra_args or [])
+    child = settings.model_copy(update={
+        "database_url": resolve_database_url(settings), "model_path": model_path,
+        "kv_dir": settings.kv_path, "plan_secret": settings.plan_secret or secrets.token_hex(32),
+        "vllm_api_keys": settings.vllm_api_keys or api_keys_in(extra_args)})
+    if not (child.api_keys or child.anonymous_memory):
+        log.warning("no INFERSCALE_API_KEYS on %s: memory requests will be refused (401); set "
+                    "INFERSCALE_ALLOW_ANONYMOUS=true to serve them to anyone", child.server_host)
     env = {
-        **os.environ,
-        "INFERSCALE_DATABASE_URL": resolve_database_url(settings),
-        "INFERSCALE_MODEL_PATH": str(model_path),
-        "INFERSCALE_KV_DIR": str(settings.kv_path),
-        "INFERSCALE_DATA_DIR": str(settings.data_dir),
-        "INFERSCALE_PLAN_SECRET": settings.plan_secret or secrets.token_hex(32),
+        **settings_env(child),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
                                                  str(settings.vllm_kv_cache_gib)),
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
@@ -62,7 +83,7 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
         "--max-model-len", str(settings.max_model_len),
         "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
         "--middleware", "inferscale.frontend.MemoryFrontend",
-        *(extra_args or []),
+        *extra_args,
     ]
     return argv, env
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 from functools import lru_cache
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class Settings(BaseSettings):
@@ -49,6 +53,10 @@ class Settings(BaseSettings):
     encode_max_attempts: int = 3  # storage failures (disk full, ...) are retried without limit
     encode_retry_base_s: float = 5.0  # a failed fact waits base * 2**attempts (capped) to retry
     encode_retry_max_s: float = 300.0
+    # A claimed fact is leased for this long; a worker that dies while encoding it loses the
+    # lease, and after encode_max_crashes such deaths the fact is quarantined (served as text).
+    encode_lease_s: float = 120.0
+    encode_max_crashes: int = 3
     # Share of time the encode stage may be busy (1.0 = flat out). Below 1 it rests after each
     # batch, leaving the shared device (CPU cores or GPU) to serving: less TTFT, later KV.
     encode_duty_cycle: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -66,9 +74,21 @@ class Settings(BaseSettings):
     server_port: int = 8000
     server_url: str | None = None
     api_keys: dict[str, list[str]] = Field(default_factory=dict)
+    # Without api_keys, may anyone who reaches the port read any memory? None: only when the
+    # server listens on loopback.
+    allow_anonymous: bool | None = None
+    vllm_api_keys: list[str] = Field(default_factory=list)  # vLLM's own --api-key values
+    max_body_bytes: int = Field(default=8 * 1024**2, gt=0)
     plan_secret: str | None = None
     max_model_len: int = 8192
     vllm_kv_cache_gib: int = 2
+
+    @property
+    def anonymous_memory(self) -> bool:
+        """Whether memory requests without an API key are served."""
+        if self.allow_anonymous is not None:
+            return self.allow_anonymous
+        return self.server_host in LOOPBACK_HOSTS
 
     @property
     def infra_dir(self) -> Path:
@@ -85,3 +105,14 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """Process-wide settings, read once from the environment."""
     return Settings()
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment (this one plus every set field) that makes a child process read these
+    same settings: the one way settings reach child processes."""
+    env = dict(os.environ)
+    for name, value in settings.model_dump(mode="json").items():
+        if value is not None:
+            env[f"INFERSCALE_{name.upper()}"] = value if isinstance(value, str) else json.dumps(
+                value)
+    return env

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import subprocess
 import sys
 import time
@@ -18,11 +17,7 @@ from tqdm import tqdm
 from inferscale import infra, migrate
 from inferscale.db.tables import facts
 from inferscale.model_prep import resolve_model_path
-from inferscale.settings import Settings
-
-ENV_FIELDS = ("kafka_bootstrap", "database_url", "data_dir", "model_path", "kv_dir", "window",
-              "turns_topic", "dead_letter_topic", "consumer_group", "top_k", "embedder",
-              "encode_duty_cycle")
+from inferscale.settings import Settings, settings_env
 
 
 def prepare(settings: Settings) -> Settings:
@@ -35,16 +30,6 @@ def prepare(settings: Settings) -> Settings:
     migrate.upgrade(settings.database_url)
     return settings.model_copy(update={"model_path": resolve_model_path(settings),
                                        "kv_dir": settings.kv_path})
-
-
-def settings_env(settings: Settings) -> dict[str, str]:
-    """Environment that makes a child process read the same settings."""
-    env = dict(os.environ)
-    for name in ENV_FIELDS:
-        value = getattr(settings, name)
-        if value is not None:
-            env[f"INFERSCALE_{name.upper()}"] = str(value)
-    return env
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -140,22 +141,34 @@ class Server:
         self.process = None
 
     def start(self) -> None:
-        """Start the server process and wait until it is healthy."""
-        from inferscale.serve import start_server, wait_ready
+        """Start `inferscale serve` as a user would, and wait until the server is healthy."""
+        from inferscale.serve import wait_ready
+        from inferscale.settings import settings_env
 
-        self.process = start_server(self.settings, self.extra_args, log_path=self.log_path)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "inferscale.cli", "serve", "--", *self.extra_args],
+                env=settings_env(self.settings), stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_ready(self.url, self.process, timeout_s=600)
         except Exception:
+            self.stop()
             raise RuntimeError(f"server failed:\n{self.log_path.read_text()[-4000:]}") from None
 
     def stop(self) -> None:
-        """Stop the server process (SIGTERM, then SIGKILL)."""
-        from inferscale.serve import stop_server
+        """SIGTERM `inferscale serve` alone; it must stop its vLLM processes (no orphans)."""
+        import psutil
 
-        if self.process is not None:
-            stop_server(self.process)
-            self.process = None
+        if self.process is None:
+            return
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        self.process.terminate()
+        self.process.wait(60)
+        self.process = None
+        _, alive = psutil.wait_procs(children, timeout=30)
+        for orphan in alive:
+            orphan.kill()
+        assert not alive, f"`inferscale serve` left orphans after SIGTERM: {alive}"
 
     def chat(self, user: str | None, question: str, mode: str | None = None, k: int | None = None,
              max_tokens: int = 24, headers: dict | None = None, **extra):
