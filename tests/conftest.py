@@ -196,3 +196,27 @@ def running_server(settings: Settings, log_path: Path, extra_args: list[str]):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def served(base_settings, smollm2_dir, tmp_path_factory):
+    """One `inferscale serve` with the real SmolLM2 for the serving suites."""
+    root = tmp_path_factory.mktemp("serving")
+    settings = base_settings.model_copy(update={
+        "model_path": smollm2_dir, "kv_dir": root / "kv", "data_dir": root, "window": 3,
+        "top_k": 5})
+    with running_server(settings, root / "server.log",
+                        ["--enable-prompt-tokens-details", "--enforce-eager"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def smol(served, smollm2_dir):
+    """SmolLM2's encoder and the server's KV store."""
+    from inferscale.encoder import FactEncoder
+    from inferscale.fingerprint import model_fingerprint
+    from inferscale.kvstore import KVStore
+
+    encoder = FactEncoder(smollm2_dir, device="cpu")
+    store = KVStore(served.settings.kv_path, model_fingerprint(smollm2_dir), host_bytes=1 << 30)
+    return encoder, store

@@ -56,3 +56,36 @@ async def test_keys_that_may_not_act_for_owner_are_refused(frontend, headers, ow
 async def test_requests_without_owner_pass_untouched(frontend):
     code, body = await _call(frontend, CHAT, {})
     assert code == 200 and body == CHAT
+
+
+@pytest.mark.parametrize(("settings", "status"), [
+    (Settings(server_host="0.0.0.0"), 401),  # no keys, reachable from outside: refused
+    (Settings(server_host="0.0.0.0", allow_anonymous=True), 200),  # an explicit choice
+    (Settings(server_host="127.0.0.1", allow_anonymous=False), 401),
+])
+async def test_anonymous_memory_is_an_explicit_choice(settings, status):
+    app = MemoryFrontend(_downstream)
+    app.settings = settings
+    app._rt = None  # a granted request stops here: retrieval is not what is tested
+    code, body = await _call(app, {**CHAT, "user": "alice", "inferscale": {"mode": "none"}}, {})
+    if status == 401:
+        assert code == 401 and "API key" in body["error"]["message"]
+    else:
+        assert code == 503  # got past the key check into the (disabled) memory machinery
+
+
+async def test_vllm_api_key_is_checked_before_any_memory_work(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-secret")
+    app = MemoryFrontend(_downstream)
+    app.settings = Settings(allow_anonymous=True)
+    code, _ = await _call(app, {**CHAT, "user": "alice"}, {})
+    assert code == 401 and app._runtime is None
+    code, body = await _call(app, CHAT, {"authorization": "Bearer vllm-secret"})
+    assert code == 200 and body == CHAT
+
+
+async def test_refused_kv_transfer_params_anywhere(frontend):
+    for body in ({**CHAT, "kv_transfer_params": {}}, {**CHAT, "vllm_xargs": {
+            "kv_transfer_params": 1}}, {"a": [{"b": {"kv_transfer_params": None}}]}):
+        code, answer = await _call(frontend, body, {})
+        assert code == 400 and "reserved" in answer["error"]["message"]
