@@ -2,13 +2,17 @@
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from hostile import tried
 from inferscale.kvstore import (
     BlobMissing,
     ByteLRU,
     ChecksumMismatch,
     FingerprintMismatch,
     KVBlob,
+    KVBlobError,
     KVStore,
 )
 
@@ -74,3 +78,26 @@ def test_delete_removes_every_tier(tmp_path):
     store.get(stored.location)
     assert store.delete([stored.location]) == 1
     assert stored.location not in store.host and not (tmp_path / stored.location).exists()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[
+    HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.binary(min_size=1, max_size=8)),
+                      min_size=1, max_size=4), cut=st.none() | st.integers(0, 10**6))
+def test_damaged_blobs_are_refused_with_a_blob_error_only(tmp_path, edits, cut):
+    """The blob loader under byte edits and truncation: the intact blob or KVBlobError."""
+    store = KVStore(tmp_path, "f" * 64, host_bytes=0)
+    k = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).reshape(2, 3, 2, 4)
+    stored = store.put("fuzz", k, -k, [5, 6, 7], window=1)
+    path = tmp_path / stored.location
+    raw = bytearray(path.read_bytes())
+    for offset, patch in edits:
+        offset %= len(raw)
+        raw[offset:offset + len(patch)] = patch
+    path.write_bytes(bytes(raw[:cut % (len(raw) + 1)] if cut is not None else raw))
+    tried("KV blob loader")
+    try:
+        blob = store.get(stored.location, stored.checksum)
+    except KVBlobError:
+        return
+    assert torch.equal(blob.k, k) and torch.equal(blob.v, -k) and blob.token_ids == [5, 6, 7]

@@ -1,0 +1,97 @@
+"""The injection plan verifier and the connector's scheduler-side check under hostile plans."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hostile import json_values, tried
+from inferscale.plan import PLAN_KEY, Plan, PlanError, Segment, _mac, sign, verify
+
+SECRET = "s3cret"
+FUZZ = settings(max_examples=400, deadline=None)
+
+
+def _plan() -> Plan:
+    return Plan("f" * 64, [Segment("preamble", 0, [1, 2, 3]), Segment("7", 3, [4, 5], "c")])
+
+
+def _signed_body(body: object) -> dict:
+    """``body`` signed with the right secret: what only a compromised front end could send."""
+    if not isinstance(body, dict):
+        body = {"segments": body}
+    body = {k: v for k, v in body.items() if k != "sig"}
+    return {**body, "sig": _mac(body, SECRET)}
+
+
+def test_signed_plan_round_trips_and_any_tampering_is_refused():
+    signed = sign(_plan(), SECRET)
+    assert verify(json.loads(json.dumps(signed)), SECRET) == _plan()
+    for key, value in (("fingerprint", "0" * 64), ("segments", []), ("sig", "0" * 64)):
+        with pytest.raises(PlanError):
+            verify({**signed, key: value}, SECRET)
+    with pytest.raises(PlanError):
+        verify(signed, "another secret")
+
+
+@FUZZ
+@given(data=json_values | st.dictionaries(st.sampled_from(["sig", "fingerprint", "segments"]),
+                                          json_values))
+def test_unsigned_or_forged_plans_raise_plan_error_only(data):
+    tried("plan verifier")
+    with pytest.raises(PlanError):
+        verify(data, SECRET)
+
+
+segment_like = st.fixed_dictionaries({}, optional={
+    "name": json_values, "start": json_values | st.integers(-3, 10),
+    "token_ids": json_values | st.lists(st.integers(-2, 2**40), max_size=4),
+    "checksum": json_values, "extra": json_values})
+
+
+@FUZZ
+@given(body=st.fixed_dictionaries({}, optional={
+    "fingerprint": json_values, "segments": json_values | st.lists(segment_like, max_size=4)}))
+def test_signed_malformed_plans_raise_plan_error_or_parse_typed(body):
+    tried("plan verifier")
+    try:
+        plan = verify(_signed_body(body), SECRET)
+    except PlanError:
+        return
+    assert isinstance(plan.fingerprint, str)
+    for segment in plan.segments:
+        assert isinstance(segment.name, str) and type(segment.start) is int
+        assert all(type(t) is int for t in segment.token_ids)
+
+
+@pytest.fixture(scope="module")
+def scheduler_side(tmp_path_factory):
+    """The connector's scheduler half without an engine: only what its plan check uses."""
+    from inferscale.connector import InferScaleConnector
+    from inferscale.kvstore import KVStore
+
+    connector = InferScaleConnector.__new__(InferScaleConnector)
+    connector._secret, connector._fingerprint = SECRET, "f" * 64
+    connector._pending, connector._claimed = {}, {}
+    connector._store = KVStore(tmp_path_factory.mktemp("kv"), "f" * 64, host_bytes=0)
+    return connector
+
+
+@FUZZ
+@given(params=json_values | st.fixed_dictionaries({PLAN_KEY: json_values}) | st.builds(
+    lambda body: {PLAN_KEY: _signed_body(body)}, st.fixed_dictionaries({}, optional={
+        "fingerprint": st.just("f" * 64) | json_values,
+        "segments": st.lists(segment_like, max_size=4)})),
+       prompt=st.lists(st.integers(0, 5), max_size=12), computed=st.integers(0, 12))
+def test_hostile_plans_never_claim_and_never_raise(scheduler_side, params, prompt, computed):
+    from inferscale.metrics import KV_METRICS
+
+    tried("connector plan check")
+    errors = KV_METRICS.hook_errors.labels("get_num_new_matched_tokens")._value.get()
+    request = SimpleNamespace(request_id="r", kv_transfer_params=params, prompt_token_ids=prompt)
+    # No blob exists in this store, so no hostile plan may claim a single token.
+    assert scheduler_side.get_num_new_matched_tokens(request, computed) == (0, False)
+    assert scheduler_side.request_finished(request, [])[0] is False
+    assert KV_METRICS.hook_errors.labels("get_num_new_matched_tokens")._value.get() == errors
