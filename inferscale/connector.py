@@ -284,6 +284,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def purge(self, locations: list[str]) -> int:
+        """Drop blobs from this worker's memory tiers (a forget or an update elsewhere)."""
+        return self._store.evict(locations)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
@@ -293,3 +297,14 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return
+
+
+class InferScaleWorkerExtension:
+    """Methods vLLM grafts onto its workers (``--worker-extension-cls``), called from the API
+    server with ``engine_client.collective_rpc(name, args=...)``."""
+
+    def inferscale_purge(self, locations: list[str]) -> int:
+        """Purge these blobs from the connector's host/device tiers in this worker."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group().purge(list(locations))

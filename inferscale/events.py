@@ -1,14 +1,20 @@
-"""Turn event contract (v1) and its validation for the ingest topic."""
+"""Turn event contract (v1) and its validation for the ingest topic.
+
+:func:`parse_turn` is the one gate between the topic and the database: whatever bytes arrive,
+it returns a valid :class:`TurnEvent` or raises :class:`InvalidEvent` with a short reason.
+"""
 
 from __future__ import annotations
 
 import json
+import reprlib
 from datetime import UTC, datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 TURN_EVENT_VERSION = 1
+STRING_FIELDS = ("user_id", "conversation_id", "turn_id", "speaker", "text")
 
 
 class InvalidEvent(ValueError):
@@ -35,36 +41,86 @@ class TurnEvent(BaseModel):
     @field_validator("timestamp")
     @classmethod
     def _utc(cls, value: datetime) -> datetime:
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        try:
+            return value.astimezone(UTC)
+        except OverflowError:  # e.g. 9999-12-31T23:59:59-01:00 is past year 9999 in UTC
+            raise ValueError("timestamp out of range") from None
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
 
 
 def parse_turn(raw: bytes | None, max_text_bytes: int) -> TurnEvent:
-    """Decode and validate one message; raise InvalidEvent with a short reason otherwise."""
-    if raw is None:
-        raise InvalidEvent("empty message")
+    """Decode and validate one message; raise InvalidEvent with a short reason otherwise.
+
+    Never raises anything else: an unforeseen failure becomes ``unparseable: <type>``.
+    """
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidEvent(f"invalid json: {exc}") from None
+        return _parse(raw, max_text_bytes)
+    except InvalidEvent:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any input must yield a reason, never a crash
+        raise InvalidEvent(f"unparseable: {type(exc).__name__}") from None
+
+
+def _parse(raw: bytes | None, max_text_bytes: int) -> TurnEvent:
+    data = _load_json(raw)
     if not isinstance(data, dict):
         raise InvalidEvent("not a json object")
     version = data.get("version")
-    if version != TURN_EVENT_VERSION:
-        raise InvalidEvent(f"unknown version: {version!r}")
-    text = data.get("text")
-    if isinstance(text, str) and len(text.encode()) > max_text_bytes:
-        raise InvalidEvent(f"text too large: {len(text.encode())} > {max_text_bytes} bytes")
+    if type(version) is not int or version != TURN_EVENT_VERSION:  # not true, not 1.0
+        raise InvalidEvent(f"unknown version: {reprlib.repr(version)}")
+    _check_strings(data, max_text_bytes)
     try:
         event = TurnEvent.model_validate(data)
     except ValidationError as exc:
         fields = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'event'}: {e['msg']}" for e in exc.errors()
+            f"{'.'.join(map(str, e['loc'])) or 'event'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors(include_url=False, include_context=False, include_input=False)
         )
         raise InvalidEvent(f"invalid fields: {fields}") from None
-    for name in ("user_id", "conversation_id", "turn_id", "speaker", "text"):
-        if "\x00" in getattr(event, name):
+    return event
+
+
+def _load_json(raw: bytes | None) -> object:
+    if raw is None:
+        raise InvalidEvent("empty message")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise InvalidEvent("invalid json: nesting too deep") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidEvent(f"invalid json: {exc}") from None
+    except ValueError as exc:
+        if "integer string conversion" not in str(exc):  # Python's 4300-digit limit
+            raise
+        raise InvalidEvent("invalid json: number too large") from None
+
+
+def _check_strings(data: dict, max_text_bytes: int) -> None:
+    """What Postgres cannot store (lone surrogates, NUL) and oversized text, before validation."""
+    for name in STRING_FIELDS:
+        value = data.get(name)
+        if not isinstance(value, str):
+            continue  # missing or ill-typed: the model reports it
+        try:
+            size = len(value.encode())
+        except UnicodeEncodeError:
+            raise InvalidEvent(
+                f"invalid fields: {name} is not valid UTF-8 (lone surrogate)") from None
+        if "\x00" in value:
             raise InvalidEvent(f"invalid fields: {name} contains NUL")
+        if name == "text" and size > max_text_bytes:
+            raise InvalidEvent(f"text too large: {size} > {max_text_bytes} bytes")
+
+
+def parse_record(key: bytes | None, value: bytes | None, max_text_bytes: int) -> TurnEvent:
+    """:func:`parse_turn` plus the producer contract: the record key is the user_id (UTF-8)."""
+    event = parse_turn(value, max_text_bytes)
+    if key is None:
+        raise InvalidEvent("missing key (must be the user_id)")
+    if key != event.user_id.encode():
+        raise InvalidEvent("key does not match user_id")
     return event

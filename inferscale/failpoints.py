@@ -1,13 +1,16 @@
 """Named fault points for drills: crash or fail a process at an exact step of its work.
 
 Armed from ``INFERSCALE_FAILPOINTS`` (read once at import) or with :func:`arm`, as a comma list
-of ``name=action[@probability]``; actions are ``kill`` (SIGKILL this process: no cleanup, no
-flush, like a power cut) or ``error:ENOSPC`` / ``error:EACCES`` (raise that ``OSError``).
-Example: ``INFERSCALE_FAILPOINTS="kv.mid_write=kill@0.02"``. Unarmed points cost one dict lookup.
+of ``name=action[@probability][~needle]``; actions are ``kill`` (SIGKILL this process: no
+cleanup, no flush, like a power cut) or ``error:ENOSPC`` / ``error:EACCES`` (raise that
+``OSError``); with ``~needle`` the point acts only when the text it is passed contains needle
+(a poison input). Example: ``INFERSCALE_FAILPOINTS="kv.mid_write=kill@0.02"``. Unarmed points
+cost one dict lookup.
 
 Points: ``ingest.before_db_commit``, ``ingest.before_offset_commit``, ``kv.mid_write`` (half of
 the blob written to its temp file, not synced), ``kv.before_rename`` (temp file synced, not yet
-renamed), ``encode.before_db_commit`` (blobs in place, their rows not yet committed).
+renamed), ``encode.before_forward`` (a batch about to enter the model; its text: the facts'
+texts), ``encode.before_db_commit`` (blobs in place, their rows not yet committed).
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import random
 import signal
 
 POINTS = ("ingest.before_db_commit", "ingest.before_offset_commit", "kv.mid_write",
-          "kv.before_rename", "encode.before_db_commit")
+          "kv.before_rename", "encode.before_forward", "encode.before_db_commit")
 
-_armed: dict[str, tuple[str, float]] = {}
+_armed: dict[str, tuple[str, float, str]] = {}  # name -> (action, probability, needle)
 
 
 def arm(spec: str) -> None:
@@ -28,21 +31,23 @@ def arm(spec: str) -> None:
     armed = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, rest = item.partition("=")
+        rest, _, needle = rest.partition("~")
         action, _, probability = rest.partition("@")
         if name not in POINTS:
             raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(POINTS)}")
         if action != "kill" and not (action.startswith("error:")
                                      and hasattr(errno, action.removeprefix("error:"))):
             raise ValueError(f"bad failpoint action {action!r}: use kill or error:<ERRNO>")
-        armed[name] = (action, float(probability or 1.0))
+        armed[name] = (action, float(probability or 1.0), needle)
     _armed.clear()
     _armed.update(armed)
 
 
-def hit(name: str) -> None:
-    """Pass the point ``name``: act as armed (with its probability), else do nothing."""
+def hit(name: str, text: str = "") -> None:
+    """Pass the point ``name`` (with the ``text`` it works on): act as armed (with its
+    probability, if ``text`` contains the needle), else do nothing."""
     armed = _armed.get(name)
-    if armed is None or random.random() >= armed[1]:
+    if armed is None or armed[2] not in text or random.random() >= armed[1]:
         return
     action = armed[0]
     if action == "kill":

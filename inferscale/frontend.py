@@ -30,6 +30,8 @@ log = logging.getLogger("inferscale.frontend")
 MODES = ("inject", "text", "none")
 MAX_K = 200
 CHAT_PATH = "/v1/chat/completions"
+FORGET_PATH = "/v1/memory/forget"
+PREFIX_RESET_TRIES = 50  # vLLM resets its prefix cache only between requests
 BODY_METHODS = ("POST", "PUT", "PATCH")
 # Keys that reach the engine's Request.kv_transfer_params (directly or via SamplingParams
 # extra_args); only the front end may set them, on any route.
@@ -72,6 +74,7 @@ class _Runtime:
         from inferscale.db.engine import create_engine
         from inferscale.embedder import load_embedder
         from inferscale.fingerprint import model_fingerprint
+        from inferscale.kvstore import KVStore
         from inferscale.layout import MemoryLayout
         from inferscale.model_prep import resolve_model_path
 
@@ -81,6 +84,7 @@ class _Runtime:
         self.fingerprint = model_fingerprint(model_path)
         self.embedder = load_embedder(settings.embedder)
         self.engine = create_engine(settings=settings)
+        self.store = KVStore(settings.kv_path, self.fingerprint, host_bytes=0)
 
 
 def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
@@ -264,6 +268,8 @@ class MemoryFrontend:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             body = await _read_body(receive, headers, self.settings.max_body_bytes)
+            if scope["path"] == FORGET_PATH:
+                return await _json(send, 200, await self._forget(scope, body, headers))
             body, extra_headers = await self._rewrite(scope["path"], body, headers)
         except FrontendError as exc:
             return await _error(send, exc.status, exc.message)
@@ -291,6 +297,31 @@ class MemoryFrontend:
                                       if k.lower() != b"content-length"]
                  + [(b"content-length", str(len(body)).encode())]}
         await self.app(scope, replay, send_with_headers)
+
+    async def _forget(self, scope, body: bytes, headers: dict[str, str]) -> dict:
+        """Forget a user everywhere this server reaches: rows (with a tombstone), durable blobs,
+        the workers' host/device tiers and vLLM's prefix cache."""
+        from inferscale.forget import forget_user, sweep_orphan_blobs
+
+        data = _parse_json(body)
+        user = data.get("user") if isinstance(data, dict) else None
+        if not isinstance(user, str) or not user or len(user) > 256:
+            raise FrontendError(400, 'forget takes {"user": "<memory owner>"}')
+        authorize(self.settings, headers, user)
+        rt = await self._rt()
+        forgotten = await forget_user(rt.engine, rt.store, user)
+        orphans = await sweep_orphan_blobs(rt.engine, rt.store)
+        engine_client = scope["app"].state.engine_client
+        purged = await engine_client.collective_rpc("inferscale_purge",
+                                                    args=(forgotten.locations,))
+        for _ in range(PREFIX_RESET_TRIES):
+            if reset := await engine_client.reset_prefix_cache():
+                break
+            await asyncio.sleep(0.1)
+        log.info("forgot a user", extra={"facts": forgotten.facts, "blobs": forgotten.blobs})
+        return {"user": user, "facts_deleted": forgotten.facts, "blobs_deleted": forgotten.blobs,
+                "orphan_blobs_deleted": orphans, "purged_from_memory": sum(purged),
+                "prefix_cache_reset": reset}
 
     async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]
                        ) -> tuple[bytes, dict[str, str]]:
@@ -347,9 +378,12 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
                413: "request_too_large", 503: "service_unavailable"}
 
 
-async def _error(send, status: int, message: str) -> None:
-    kind = ERROR_TYPES.get(status, "invalid_request_error")
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
+async def _json(send, status: int, payload: dict) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body.encode()})
+    await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+
+async def _error(send, status: int, message: str) -> None:
+    kind = ERROR_TYPES.get(status, "invalid_request_error")
+    await _json(send, status, {"error": {"message": message, "type": kind, "code": status}})

@@ -14,6 +14,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,10 +152,16 @@ class KVStore:
 
     # --- durable tier -------------------------------------------------------------------------
 
-    def location_for(self, name: str) -> str:
-        """Relative location of a blob named ``name`` (a fact id or "preamble")."""
+    def location_for(self, name: str, fingerprint: str | None = None) -> str:
+        """Relative location of a blob named ``name`` (a fact id or "preamble") for this
+        store's model (or the model with ``fingerprint``, which may be its 16-char prefix)."""
         shard = hashlib.sha1(name.encode()).hexdigest()[:2]
-        return f"{self.fingerprint[:16]}/{shard}/{name}.safetensors"
+        return f"{(fingerprint or self.fingerprint)[:16]}/{shard}/{name}.safetensors"
+
+    def locations_of(self, name: str) -> list[str]:
+        """Where a blob named ``name`` would be for every model this durable tier holds."""
+        models = [d.name for d in self.root.iterdir() if d.is_dir()] if self.root.is_dir() else []
+        return [self.location_for(name, model) for model in models]
 
     def put(self, name: str, k: torch.Tensor, v: torch.Tensor, token_ids: list[int],
             window: int) -> StoredBlob:
@@ -237,15 +244,29 @@ class KVStore:
             self.hot.put(location, blob)
         return blob
 
-    def delete(self, locations: list[str]) -> int:
-        """Remove blobs from every tier; returns how many durable files were removed."""
-        removed = 0
+    def evict(self, locations: list[str]) -> int:
+        """Drop blobs from the memory tiers (host, device); returns how many were held."""
+        held = 0
         for location in locations:
+            held += location in self.host or (self.hot is not None and location in self.hot)
             self.host.pop(location)
             if self.hot is not None:
                 self.hot.pop(location)
+        return held
+
+    def delete(self, locations: list[str]) -> int:
+        """Remove blobs from every tier; returns how many durable files were removed."""
+        self.evict(locations)
+        removed = 0
+        for location in locations:
             path = self.root / location
             if path.exists():
-                path.unlink()
+                path.unlink(missing_ok=True)
                 removed += 1
         return removed
+
+    def fact_blobs(self) -> Iterator[tuple[int, str]]:
+        """(fact id, location) of every durable fact blob, of any model."""
+        for path in self.root.glob("*/*/*.safetensors"):
+            if path.stem.isdigit():
+                yield int(path.stem), str(path.relative_to(self.root))

@@ -83,6 +83,7 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
         "--max-model-len", str(settings.max_model_len),
         "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
         "--middleware", "inferscale.frontend.MemoryFrontend",
+        "--worker-extension-cls", "inferscale.connector.InferScaleWorkerExtension",
         *extra_args,
     ]
     return argv, env

@@ -23,6 +23,9 @@ from inferscale.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "inferscale" / "data" / "sample_conversation.json"
+# compose.yaml refuses to start its server without keys; the suite's own (unused) key set.
+COMPOSE_ENV = {**os.environ, "INFERSCALE_API_KEYS": os.environ.get(
+    "INFERSCALE_API_KEYS", '{"test-suite-key": ["*"]}')}
 COMPOSE_ENDPOINTS = {
     "INFERSCALE_KAFKA_BOOTSTRAP": "localhost:29092",
     "INFERSCALE_DATABASE_URL": "postgresql+asyncpg://inferscale:inferscale@localhost:5432/inferscale",
@@ -49,7 +52,7 @@ def _compose_up() -> str | None:
     problem = docker_problem()
     if problem is None:
         subprocess.run(["docker", "compose", "-f", str(ROOT / "compose.yaml"), "up", "-d",
-                        "--wait", "kafka", "postgres"], check=True, timeout=900)
+                        "--wait", "kafka", "postgres"], check=True, timeout=900, env=COMPOSE_ENV)
         os.environ.update(COMPOSE_ENDPOINTS)
     return problem
 

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import ROOT, docker_problem
+from conftest import COMPOSE_ENV, ROOT, docker_problem
 from inferscale.settings import Settings
 
 
@@ -25,6 +25,14 @@ def test_services_present_and_wired():
     assert gpu["capabilities"] == ["gpu"]
 
 
+def test_the_server_starts_with_api_keys():
+    """A server on 0.0.0.0 needs keys: compose refuses to start without them."""
+    env = _compose()["services"]["server"]["environment"]
+    assert env["INFERSCALE_SERVER_HOST"] == "0.0.0.0"
+    assert env["INFERSCALE_API_KEYS"].startswith("${INFERSCALE_API_KEYS:?")
+    assert "INFERSCALE_ALLOW_ANONYMOUS" not in env
+
+
 def test_every_inferscale_env_key_is_a_setting():
     fields = set(Settings.model_fields)
     keys = set()
@@ -40,5 +48,5 @@ def test_docker_compose_accepts_the_file():
     if problem:
         pytest.skip(f"no docker compose here: {problem}")
     done = subprocess.run(["docker", "compose", "-f", str(ROOT / "compose.yaml"), "config", "-q"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=COMPOSE_ENV)
     assert done.returncode == 0, done.stderr

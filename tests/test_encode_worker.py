@@ -3,6 +3,7 @@
 import asyncio
 import errno
 import os
+import signal
 import subprocess
 import uuid
 
@@ -10,15 +11,23 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from helpers import sample_turns
+from helpers import sample_turns, turn
 from inferscale import failpoints
-from inferscale.db.queries import claim_pending_facts, count_user_rows
+from inferscale.db.queries import (
+    PendingFact,
+    claim_pending_facts,
+    count_pending_facts,
+    count_user_rows,
+    quarantine_crashed_facts,
+    record_encode_failure,
+)
 from inferscale.db.tables import facts
 from inferscale.encoder import FactEncoder
 from inferscale.fingerprint import model_fingerprint
 from inferscale.forget import forget_user
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.kvstore import KVStore
+from inferscale.stack import worker_process
 from workers.encode import EncodeWorker
 from workers.ingest import IngestWorker
 
@@ -47,7 +56,7 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
     user = turns[0].user_id
     await _ingest(settings, engine, embedder, turns)
     async with engine.begin() as conn:  # context = the 3 preceding facts, oldest first
-        claimed = {f.id: f for f in await claim_pending_facts(conn, 1000, 3, 3)}
+        claimed = {f.id: f for f in await claim_pending_facts(conn, 1000, 3, 3, 60, 3)}
         rows = await _user_facts(engine, user)
         fifth = claimed[rows[4].id]
         assert fifth.context == [r.text for r in rows[1:4]]
@@ -195,8 +204,8 @@ async def test_forget_removes_user_everywhere_and_spares_others(settings, engine
     victim_rows = await _user_facts(engine, victim)
     for row in victim_rows:
         store.get(row.kv_location)  # warm the host tier too
-    n_facts, n_blobs = await forget_user(engine, store, victim)
-    assert n_facts == n_blobs == 6
+    forgotten = await forget_user(engine, store, victim)
+    assert forgotten.facts == forgotten.blobs == 6
     async with engine.connect() as conn:
         assert await count_user_rows(conn, victim) == (0, 0)
         assert await count_user_rows(conn, other) == (6, 6)
@@ -218,3 +227,118 @@ async def test_duty_cycle_rest_scales_with_busy_time_and_yields_to_stop(settings
     await asyncio.sleep(0.05)
     worker.request_stop()
     await asyncio.wait_for(resting, 5)  # a stop ends the rest at once
+
+
+async def test_claims_of_dead_workers_are_counted_and_the_fact_quarantined(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 0, "encode_lease_s": 0.5,
+                                           "encode_max_crashes": 2})
+    store = KVStore(tmp_path / "kv", "f" * 64, host_bytes=0)
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)  # nothing else due
+    turns = sample_turns()[:3]
+    await _ingest(settings, engine, embedder, turns)
+    ids = [row.id for row in await _user_facts(engine, turns[0].user_id)]
+
+    async def claim() -> list[PendingFact]:
+        async with engine.begin() as conn:
+            return await claim_pending_facts(conn, 10, 0, 3, settings.encode_lease_s, 2)
+
+    dead_claim = await claim()  # a worker claims the batch, then dies while encoding it
+    assert sorted(f.id for f in dead_claim) == sorted(ids)
+    assert await claim() == []  # leased: nobody else takes them meanwhile
+    await asyncio.sleep(0.6)
+    suspect = await claim()  # the lease ran out: suspects come back one at a time
+    assert [f.id for f in suspect] == [min(ids)]
+    async with engine.begin() as conn:  # the first claimer's late outcome is not recorded
+        await record_encode_failure(conn, dead_claim[0], "encode: late", 1.0, 1.0)
+    assert {r.id: r.encode_attempts for r in await _user_facts(engine, turns[0].user_id)}[
+        min(ids)] == 0
+    await asyncio.sleep(0.6)  # ...and this claimer died too: two deaths
+    async with engine.begin() as conn:
+        # Two deaths exhaust a crash budget of 2 (not one of 9): no longer pending...
+        assert await count_pending_facts(conn, 3, 2) == await count_pending_facts(conn, 3, 9) - 1
+        assert await quarantine_crashed_facts(conn, 2) == [min(ids)]
+        assert await quarantine_crashed_facts(conn, 2) == []
+        # ...and once quarantined, not even with a larger budget.
+        assert await count_pending_facts(conn, 3, 9) == await count_pending_facts(conn, 3, 2)
+    stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert (stats.encoded, stats.failed) == (len(ids) - 1, 0)
+    rows = {row.id: row for row in await _user_facts(engine, turns[0].user_id)}
+    assert rows[min(ids)].kv_location is None and rows[min(ids)].claimed_until is None
+    assert rows[min(ids)].encode_error == "quarantined: worker died 2 times while encoding it"
+    assert all(r.kv_location and r.claimed_until is None for i, r in rows.items() if i != min(ids))
+
+
+class _ForgettingEncoder(_CrashingEncoder):
+    """The real encoder; while it runs, the facts' user is forgotten (from the event loop)."""
+
+    def __init__(self, inner: FactEncoder, forget):
+        super().__init__(inner)
+        self.forget = forget
+
+    def encode(self, items):
+        self.forget()
+        return self.inner.encode(items)
+
+
+async def test_a_user_forgotten_while_encoding_leaves_no_kv(settings, engine, embedder,
+                                                            tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 0})
+    store = KVStore(tmp_path / "kv", "f" * 64, host_bytes=0)
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    turns = sample_turns()[:3]
+    await _ingest(settings, engine, embedder, turns)
+    loop = asyncio.get_running_loop()
+
+    def forget() -> None:
+        asyncio.run_coroutine_threadsafe(
+            forget_user(engine, store, turns[0].user_id), loop).result(30)
+
+    stats = await EncodeWorker(settings, engine, _ForgettingEncoder(tiny_encoder, forget),
+                               store).run(drain=True)
+    assert stats.encoded == 0
+    assert {p.name for p in store.root.rglob("*.safetensors")} == {"preamble.safetensors"}
+
+
+async def test_a_fact_that_kills_its_worker_is_quarantined_and_the_rest_encode(
+        settings, engine, tiny_models, tmp_path, monkeypatch):
+    user = f"poison-{uuid.uuid4().hex[:6]}"
+    texts = ["I like tea.", "I live in Oslo.", "POISON pill.", "I have a cat.", "I ride a bike."]
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic,
+                        [turn(user, f"t{i}", "Kim", text) for i, text in enumerate(texts)],
+                        progress=False)
+    cfg = settings.model_copy(update={"model_path": tiny_models["llama"], "window": 1,
+                                      "kv_dir": tmp_path / "kv", "encode_lease_s": 1.0})
+    monkeypatch.setenv("INFERSCALE_FAILPOINTS", "encode.before_forward=kill@1.0~POISON")
+    deaths = 0
+    for _ in range(cfg.encode_max_crashes + 1):  # an orchestrator restarting the worker
+        with worker_process(cfg, tmp_path / "worker.log") as proc:
+            settled = await _poison_settled(engine, user, proc)
+            if not settled:
+                assert proc.returncode == -signal.SIGKILL
+                deaths += 1
+                continue
+            await asyncio.sleep(3)
+            assert proc.poll() is None  # the worker stays up: the fact is not claimed again
+            break
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert deaths == cfg.encode_max_crashes, log[-3000:]
+    rows = {row.text.split(": ", 1)[1]: row for row in await _user_facts(engine, user)}
+    assert rows["POISON pill."].encode_error == (
+        f"quarantined: worker died {cfg.encode_max_crashes} times while encoding it")
+    assert all(row.kv_location for text, row in rows.items() if text != "POISON pill.")
+
+
+async def _poison_settled(engine, user: str, proc, timeout_s: float = 180) -> bool:
+    """Wait until the poison fact is quarantined and the others encoded (True) or the worker
+    died (False)."""
+    for _ in range(int(timeout_s / 0.5)):
+        if proc.poll() is not None:
+            return False
+        rows = await _user_facts(engine, user)
+        if len(rows) == 5 and all(r.kv_location or (r.encode_error or "").startswith(
+                "quarantined") for r in rows):
+            return True
+        await asyncio.sleep(0.5)
+    raise AssertionError("neither quarantined nor dead in time")

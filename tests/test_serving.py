@@ -10,6 +10,7 @@ from sqlalchemy import select, update
 
 from helpers import ingest_and_encode, sample_turns, turn
 from inferscale import failpoints
+from inferscale.db.queries import count_user_rows
 from inferscale.db.tables import facts
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.kvstore import KVStore
@@ -241,3 +242,37 @@ async def test_server_restart_while_ingesting_loses_no_fact(served, cfg, engine,
     assert response.status_code == 200
     assert response.headers["x-inferscale-facts"] == str(len(said))
     assert response.headers["x-inferscale-facts-injected"] == str(len(said))
+
+
+async def test_forget_reaches_every_tier_and_backlog_stays_forgotten(served, smol, cfg, engine,
+                                                                      embedder):
+    """POST /v1/memory/forget: rows, blobs, the worker's host tier and the prefix cache; turns
+    of the user still in the topic's backlog (published before the forget) stay forgotten."""
+    from workers.ingest import IngestWorker
+
+    encoder, store = smol
+    user = f"forget-{uuid.uuid4().hex[:6]}"
+    said = [turn(user, "t1", "Gus", "My bank PIN hint is the colour of my first bicycle, teal."),
+            turn(user, "t2", "Gus", "I keep bees on the roof of my flat in Ghent.")]
+    await ingest_and_encode(cfg, engine, embedder, said, encoder, store)
+    question = "What colour was Gus's first bicycle?"
+    assert served.chat(user, question, k=2).headers["x-inferscale-facts-injected"] == "2"
+    backlog = [turn(user, "t3", "Gus", "My locker code is 4471.")]
+    await publish_turns(cfg.kafka_bootstrap, cfg.turns_topic, backlog + said, progress=False)
+    refused = httpx.post(f"{served.url}/v1/memory/forget", json={"user": 5}, timeout=60)
+    assert refused.status_code == 400
+    response = httpx.post(f"{served.url}/v1/memory/forget", json={"user": user}, timeout=120)
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["facts_deleted"] == 2 and report["blobs_deleted"] == 2
+    assert report["purged_from_memory"] == 2  # the worker's host tier held both blobs
+    assert report["prefix_cache_reset"] is True
+    after = served.chat(user, question, k=2)
+    assert after.headers["x-inferscale-facts"] == "0"
+    await IngestWorker(cfg, cfg.kafka_bootstrap, engine, embedder).run(drain=True)
+    async with engine.connect() as conn:
+        assert await count_user_rows(conn, user) == (0, 0)  # the backlog stayed forgotten
+    later = turn(user, "t4", "Gus", "I just adopted a tortoise named Pebble.", day=2)
+    await ingest_and_encode(cfg, engine, embedder, [later], encoder, store)
+    async with engine.connect() as conn:
+        assert await count_user_rows(conn, user) == (1, 1)  # a new memory starts after it

@@ -1,13 +1,16 @@
 """Worker operations on the real broker and Postgres: back-pressure, health and metrics."""
 
 import asyncio
+import contextlib
 import socket
+import threading
 
 import httpx
 
 from helpers import sample_turns
 from inferscale.db.queries import count_user_rows
 from inferscale.kafka import ensure_topics, publish_turns
+from workers import run
 from workers.ingest import IngestWorker
 from workers.observe import HealthServer
 
@@ -57,3 +60,46 @@ async def test_health_and_metrics_endpoints():
             assert "inferscale_worker_lag" in metrics or "inferscale_worker_paused" in metrics
     finally:
         await health.stop()
+
+
+class _DyingStore:
+    """A KV store whose first use fails once the test lets it: the encode stage dies."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def sweep_temp(self) -> int:
+        self.release.wait(60)
+        raise RuntimeError("durable tier misconfigured")
+
+
+async def test_readyz_fails_when_the_encode_stage_dies(settings, monkeypatch, caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = _DyingStore()
+    monkeypatch.setattr(run, "open_encoder_and_store", lambda _settings: (object(), store))
+    cfg = settings.model_copy(update={"worker_http_port": port})
+    worker = asyncio.create_task(run.run_worker(cfg))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            assert await _readyz_becomes(client, 200)  # consuming, encode stage alive
+            store.release.set()
+            assert await _readyz_becomes(client, 503)
+            assert (await client.get("/healthz")).status_code == 200
+        assert "the encode stage died" in caplog.text
+        assert "durable tier misconfigured" in caplog.text
+    finally:
+        store.release.set()
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(worker, 60)
+
+
+async def _readyz_becomes(client: httpx.AsyncClient, status: int, timeout_s: float = 60) -> bool:
+    for _ in range(int(timeout_s / 0.25)):
+        with contextlib.suppress(httpx.HTTPError):
+            if (await client.get("/readyz")).status_code == status:
+                return True
+        await asyncio.sleep(0.25)
+    return False

@@ -1,9 +1,11 @@
 """Encode worker stage: facts without KV -> Context-Window Encoding -> durable KV + Postgres.
 
-Facts are claimed with ``FOR UPDATE SKIP LOCKED`` so several workers never encode the same
-fact at once; a batch that fails is retried fact by fact so one bad fact cannot block others,
-and every failure is recorded with its reason and retried after an exponential backoff (a
-bounded number of times, except durable-tier errors, which are retried until they clear).
+Facts are claimed with a lease (``encode_lease_s``, committed before encoding) so several
+workers never encode the same fact at once; a batch that fails is retried fact by fact so one
+bad fact cannot block others, and every failure is recorded with its reason and retried after
+an exponential backoff (a bounded number of times, except durable-tier errors, which are
+retried until they clear). A fact whose encoding kills its worker (OOM, segfault) is claimed
+alone after the first death and quarantined after ``encode_max_crashes`` deaths.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from inferscale.db.queries import (
     STORAGE_FAILURE,
     PendingFact,
     claim_pending_facts,
+    quarantine_crashed_facts,
     record_encode_failure,
     record_encoded,
 )
@@ -30,7 +33,7 @@ from inferscale.kvstore import KVStore
 from inferscale.model_prep import resolve_model_path
 from inferscale.settings import Settings
 from workers import observe
-from workers.ingest import is_transient_db_error
+from workers.ingest import is_transient_db_error, retry_transient
 
 log = logging.getLogger("inferscale.encode")
 
@@ -146,54 +149,76 @@ class EncodeWorker:
         """Encode one batch of pending facts; returns how many facts it handled."""
         s = self.settings
         async with self.engine.begin() as conn:
+            quarantined = await quarantine_crashed_facts(conn, s.encode_max_crashes)
             pending = await claim_pending_facts(conn, s.encode_batch_size, s.window,
-                                                s.encode_max_attempts)
-            if not pending:
-                return 0
-            loop = asyncio.get_running_loop()
-            with observe.BATCH_SECONDS.labels("encode").time():
-                done, failures = await loop.run_in_executor(None, self._encode_and_store,
-                                                            pending)
-            if done:
-                log.info("wrote KV for %d facts", len(done),
-                         extra={"fact_ids": [row["id"] for row in done]})
-            await record_encoded(conn, done)
-            for fact_id, error in failures:
-                await record_encode_failure(conn, fact_id, error, s.encode_retry_base_s,
-                                            s.encode_retry_max_s)
-            failpoints.hit("encode.before_db_commit")
+                                                s.encode_max_attempts, s.encode_lease_s,
+                                                s.encode_max_crashes)
+        if quarantined:
+            log.error("quarantined facts %s: workers died %d times while encoding each (they "
+                      "are served as text)", quarantined, s.encode_max_crashes)
+        if not pending:
+            return 0
+        loop = asyncio.get_running_loop()
+        with observe.BATCH_SECONDS.labels("encode").time():
+            done, failures = await loop.run_in_executor(None, self._encode_and_store, pending)
+        if done:
+            log.info("wrote KV for %d facts", len(done),
+                     extra={"fact_ids": [row["id"] for row in done]})
+        gone = await retry_transient(lambda: self._record(done, failures), self._db_retry)
+        if gone:  # their user was forgotten meanwhile: leave no KV of theirs behind
+            await loop.run_in_executor(None, self.store.delete, [r["location"] for r in gone])
         self.stats.batches += 1
-        self.stats.encoded += len(done)
+        self.stats.encoded += len(done) - len(gone)
         self.stats.failed += len(failures)
-        observe.FACTS_ENCODED.inc(len(done))
+        observe.FACTS_ENCODED.inc(len(done) - len(gone))
         observe.ENCODE_FAILURES.inc(len(failures))
         if failures:
             log.warning("encode failed for %d facts: %s", len(failures), failures[0][1])
         return len(pending)
 
+    async def _record(self, done: list[dict], failures: list[tuple[PendingFact, str]]
+                      ) -> list[dict]:
+        """Commit the batch's outcomes (ending its leases); returns the rows of deleted facts."""
+        s = self.settings
+        async with self.engine.begin() as conn:
+            gone = await record_encoded(conn, done)
+            for fact, error in failures:
+                await record_encode_failure(conn, fact, error, s.encode_retry_base_s,
+                                            s.encode_retry_max_s)
+            failpoints.hit("encode.before_db_commit")
+        return gone
+
+    def _db_retry(self, exc: BaseException, delay: float) -> None:
+        """Keep the encoded blobs' outcomes while the database restarts, unless stopping."""
+        if self._stop.is_set():
+            raise exc
+        log.warning("database unavailable (%s); recording the batch again in %.1fs",
+                    type(exc).__name__, delay)
+
     def _encode_and_store(self, pending: list[PendingFact]
-                          ) -> tuple[list[dict], list[tuple[int, str]]]:
+                          ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
         """Blocking: one batched forward pass, durable writes; isolates failures per fact."""
         try:
             return self._encode_batch(pending)
         except Exception as exc:  # noqa: BLE001 - retried fact by fact below to isolate it
             if len(pending) == 1:
-                return [], [(pending[0].id, failure_reason(exc))]
+                return [], [(pending[0], failure_reason(exc))]
         done, failures = [], []
         for fact in pending:
             try:
                 stored, failed = self._encode_batch([fact])
             except Exception as exc:  # noqa: BLE001 - recorded and retried later
-                stored, failed = [], [(fact.id, failure_reason(exc))]
+                stored, failed = [], [(fact, failure_reason(exc))]
             done += stored
             failures += failed
         return done, failures
 
     def _encode_batch(self, pending: list[PendingFact]
-                      ) -> tuple[list[dict], list[tuple[int, str]]]:
+                      ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
         """One forward pass for the batch, then one durable write per fact; a write that fails
         (disk full, ...) fails only its fact, and the batch is not encoded again for it."""
         items = [self.encoder.fact_item(f.text, f.context) for f in pending]
+        failpoints.hit("encode.before_forward", "\n".join(f.text for f in pending))
         spans = self.encoder.encode(items)
         rows, failures = [], []
         for fact, span in zip(pending, spans, strict=True):
@@ -201,11 +226,11 @@ class EncodeWorker:
                 stored = self.store.put(str(fact.id), span.k, span.v, span.token_ids,
                                         window=self.settings.window)
             except OSError as exc:
-                failures.append((fact.id, failure_reason(exc)))
+                failures.append((fact, failure_reason(exc)))
                 continue
             rows.append({
-                "id": fact.id, "token_ids": span.token_ids, "window": self.settings.window,
-                "fingerprint": self.store.fingerprint, "location": stored.location,
-                "nbytes": stored.nbytes, "checksum": stored.checksum,
+                "id": fact.id, "claim": fact.claim, "token_ids": span.token_ids,
+                "window": self.settings.window, "fingerprint": self.store.fingerprint,
+                "location": stored.location, "nbytes": stored.nbytes, "checksum": stored.checksum,
             })
         return rows, failures

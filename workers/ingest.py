@@ -2,7 +2,8 @@
 
 At-least-once: offsets are committed only after the database transaction that stores the batch
 has committed; every write is an upsert on a natural key, so redelivery creates no duplicates.
-Malformed messages go to the dead-letter topic with the reason in a header.
+Malformed messages (and values the database refuses) go to the dead-letter topic with the
+reason in a header; no record can stop the worker.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaConnectionError, KafkaError
@@ -20,9 +23,16 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale import failpoints
-from inferscale.db.queries import NewFact, StoredTurn, upsert_facts, upsert_turns
+from inferscale.db.queries import (
+    NewFact,
+    StoredTurn,
+    lock_users,
+    tombstones,
+    upsert_facts,
+    upsert_turns,
+)
 from inferscale.embedder import Embedder, load_embedder
-from inferscale.events import InvalidEvent, TurnEvent, parse_turn
+from inferscale.events import InvalidEvent, TurnEvent, parse_record
 from inferscale.extract import get_extractor
 from inferscale.kafka import ensure_topics, make_producer
 from inferscale.settings import Settings
@@ -30,7 +40,10 @@ from workers import observe
 
 log = logging.getLogger("inferscale.ingest")
 
+TurnRows = tuple[StoredTurn, list[NewFact], datetime]  # turn, its facts, Kafka record time
+
 DB_RETRY_MAX_S = 10.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,6 +56,7 @@ class IngestStats:
     dead_lettered: int = 0
     batches: int = 0
     db_retries: int = 0
+    forgotten: int = 0  # turns of forgotten users, published before the forget: dropped
 
 
 def is_transient_db_error(exc: BaseException) -> bool:
@@ -56,6 +70,33 @@ def is_transient_db_error(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and (
         exc.connection_invalidated or isinstance(exc.orig, connection_errors)
         or isinstance(getattr(exc.orig, "__cause__", None), connection_errors))
+
+
+async def retry_transient(action: Callable[[], Awaitable[T]],
+                          on_retry: Callable[[BaseException, float], None]) -> T:
+    """Run ``action`` until it succeeds or fails with a non-transient error; before each retry
+    ``on_retry(error, delay)`` is called (it may raise to give up), then a backoff sleep."""
+    delay = 0.2
+    while True:
+        try:
+            return await action()
+        except Exception as exc:
+            if not is_transient_db_error(exc):
+                raise
+            on_retry(exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, DB_RETRY_MAX_S)
+
+
+# SQLSTATE classes of errors a single record causes: data exception (a value Postgres cannot
+# store), integrity violation, program limit exceeded (a key too large for its index).
+REFUSED_SQLSTATE_CLASSES = ("22", "23", "54")
+
+
+def refused_by_database(exc: BaseException) -> bool:
+    """The database refused a value of the record (not: the database is down or misconfigured)."""
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate[:2] in REFUSED_SQLSTATE_CLASSES
 
 
 class IngestWorker:
@@ -194,25 +235,33 @@ class IngestWorker:
         dead: list[tuple[ConsumerRecord, str]] = []
         for record in records:
             try:
-                event = parse_turn(record.value, self.settings.max_text_bytes)
+                event = parse_record(record.key, record.value, self.settings.max_text_bytes)
             except InvalidEvent as exc:
                 dead.append((record, exc.reason))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a parser bug must cost one record only
+                log.exception("parser failed on a record", extra=_where(record))
+                dead.append((record, f"unparseable: {type(exc).__name__}"))
                 continue
             valid.setdefault((event.user_id, event.conversation_id, event.turn_id), (event, record))
         self.stats.consumed += len(records)
         observe.CONSUMED.inc(len(records))
-        if dead:
-            await asyncio.gather(*(self._dead_letter(producer, r, reason) for r, reason in dead))
-            self.stats.dead_lettered += len(dead)
-            for _, reason in dead:
-                observe.DEAD_LETTERED.labels(reason.split(":")[0]).inc()
+        await self._dead_letter_all(producer, dead)
         if valid:
-            await self._store(list(valid.values()))
+            await self._dead_letter_all(producer, await self._store(list(valid.values())))
         self.stats.batches += 1
+
+    async def _dead_letter_all(self, producer, dead: list[tuple[ConsumerRecord, str]]) -> None:
+        if not dead:
+            return
+        await asyncio.gather(*(self._dead_letter(producer, r, reason) for r, reason in dead))
+        self.stats.dead_lettered += len(dead)
+        for _, reason in dead:
+            observe.DEAD_LETTERED.labels(_reason_kind(reason)).inc()
 
     async def _dead_letter(self, producer, record: ConsumerRecord, reason: str) -> None:
         headers = [
-            ("reason", reason.encode()[:1024]),
+            ("reason", reason.encode("utf-8", errors="backslashreplace")[:1024]),
             ("source-topic", record.topic.encode()),
             ("source-partition", str(record.partition).encode()),
             ("source-offset", str(record.offset).encode()),
@@ -220,51 +269,91 @@ class IngestWorker:
         await producer.send_and_wait(
             self.settings.dead_letter_topic, record.value, key=record.key, headers=headers
         )
-        log.info("dead-lettered a record", extra={
-            "topic": record.topic, "partition": record.partition, "offset": record.offset,
-            "reason": reason})
+        log.info("dead-lettered a record", extra={**_where(record), "reason": reason})
 
-    async def _store(self, items: list[tuple[TurnEvent, ConsumerRecord]]) -> None:
-        turns = [
-            StoredTurn(
-                user_id=e.user_id, conversation_id=e.conversation_id, turn_id=e.turn_id,
-                speaker=e.speaker, text=e.text, ts=e.timestamp, source_topic=r.topic,
-                source_partition=r.partition, source_offset=r.offset,
-            )
-            for e, r in items
-        ]
-        pending = [(e, ordinal, text) for e, _ in items
+    async def _store(self, items: list[tuple[TurnEvent, ConsumerRecord]]
+                     ) -> list[tuple[ConsumerRecord, str]]:
+        """Store the batch in one transaction. If the database refuses it, store it record by
+        record; returns the records the database refused, with their reasons."""
+        rows = await self._rows(items)
+        try:
+            await self._write(rows)
+            return []
+        except Exception as exc:
+            log.warning("database refused the batch (%s); storing it record by record",
+                        type(exc).__name__)
+        refused = []
+        for (_, record), row in zip(items, rows, strict=True):
+            try:
+                await self._write([row])
+            except Exception as exc:
+                if not refused_by_database(exc):
+                    raise
+                refused.append((record, f"rejected by database: {_db_error_name(exc)}"))
+        return refused
+
+    async def _rows(self, items: list[tuple[TurnEvent, ConsumerRecord]]) -> list[TurnRows]:
+        """Each event's turn row, its extracted, embedded fact rows and when it was published."""
+        pending = [(i, ordinal, text) for i, (e, _) in enumerate(items)
                    for ordinal, text in enumerate(self.extract(e))]
         loop = asyncio.get_running_loop()
         vectors = await loop.run_in_executor(
             None, self.embedder.encode, [text for _, _, text in pending]
         )
-        facts = [
-            NewFact(
+        rows = [
+            (StoredTurn(user_id=e.user_id, conversation_id=e.conversation_id, turn_id=e.turn_id,
+                        speaker=e.speaker, text=e.text, ts=e.timestamp, source_topic=r.topic,
+                        source_partition=r.partition, source_offset=r.offset), [],
+             datetime.fromtimestamp(r.timestamp / 1000, UTC))
+            for e, r in items
+        ]
+        for (i, ordinal, text), vector in zip(pending, vectors, strict=True):
+            e = items[i][0]
+            rows[i][1].append(NewFact(
                 user_id=e.user_id, conversation_id=e.conversation_id, turn_ids=(e.turn_id,),
                 ordinal=ordinal, extractor=self.settings.extractor, text=text, ts=e.timestamp,
-                embedding=vector.tolist(),
-            )
-            for (e, ordinal, text), vector in zip(pending, vectors, strict=True)
-        ]
-        delay = 0.2
-        while True:
-            try:
-                async with self.engine.begin() as conn:
-                    new_turns = await upsert_turns(conn, turns)
-                    new_facts = await upsert_facts(conn, facts)
-                    failpoints.hit("ingest.before_db_commit")
-                break
-            except Exception as exc:
-                if not is_transient_db_error(exc):
-                    raise
-                self.stats.db_retries += 1
-                observe.DB_RETRIES.inc()
-                log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__,
-                            delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, DB_RETRY_MAX_S)
+                embedding=vector.tolist()))
+        return rows
+
+    async def _write(self, rows: list[TurnRows]) -> None:
+        """One transaction for the rows, retried while the database is unreachable."""
+        async def write() -> tuple[int, int, int]:
+            async with self.engine.begin() as conn:
+                await lock_users(conn, [turn.user_id for turn, _, _ in rows], exclusive=False)
+                forgotten = await tombstones(conn, [turn.user_id for turn, _, _ in rows])
+                live = [(turn, facts) for turn, facts, published in rows
+                        if turn.user_id not in forgotten or published > forgotten[turn.user_id]]
+                new_turns = await upsert_turns(conn, [turn for turn, _ in live])
+                new_facts = await upsert_facts(conn, [f for _, facts in live for f in facts])
+                failpoints.hit("ingest.before_db_commit")
+            return new_turns, new_facts, len(rows) - len(live)
+
+        new_turns, new_facts, dropped = await retry_transient(write, self._db_retry)
+        if dropped:
+            log.info("dropped %d turns of forgotten users published before the forget", dropped)
+        self.stats.forgotten += dropped
         self.stats.turns_stored += new_turns
         self.stats.facts_stored += new_facts
         observe.TURNS_STORED.inc(new_turns)
         observe.FACTS_STORED.inc(new_facts)
+
+    def _db_retry(self, exc: BaseException, delay: float) -> None:
+        self.stats.db_retries += 1
+        observe.DB_RETRIES.inc()
+        log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
+
+
+def _reason_kind(reason: str) -> str:
+    """The metric label of a dead-letter reason: its kind (before any colon), short and ASCII
+    whatever the reason holds, so that /metrics can always be rendered."""
+    return reason.split(":")[0][:48].encode("ascii", "backslashreplace").decode()
+
+
+def _where(record: ConsumerRecord) -> dict:
+    return {"topic": record.topic, "partition": record.partition, "offset": record.offset}
+
+
+def _db_error_name(exc: BaseException) -> str:
+    """The driver's error class (e.g. ``CharacterNotInRepertoireError``) behind SQLAlchemy's."""
+    orig = getattr(exc, "orig", None)
+    return type(getattr(orig, "__cause__", None) or orig or exc).__name__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 
 from inferscale.db.engine import create_engine
@@ -13,11 +14,19 @@ from workers.encode import EncodeWorker, open_encoder_and_store
 from workers.ingest import IngestWorker
 from workers.observe import HealthServer
 
+log = logging.getLogger("inferscale.worker")
 
-async def _track_ready(health: HealthServer, ingest: IngestWorker) -> None:
+
+async def _track_ready(health: HealthServer, ingest: IngestWorker, encoding: asyncio.Task) -> None:
+    """Ready while the consumer runs and the encode stage is alive."""
     while True:
-        health.ready = ingest.ready
+        health.ready = ingest.ready and not encoding.done()
         await asyncio.sleep(0.5)
+
+
+def _log_encode_death(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the encode stage died; /readyz answers 503", exc_info=task.exception())
 
 
 async def run_worker(settings: Settings, drain: bool = False) -> dict:
@@ -32,7 +41,8 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
 
     async def backlog() -> int:
         async with engine.connect() as conn:
-            return await count_pending_facts(conn, settings.encode_max_attempts)
+            return await count_pending_facts(conn, settings.encode_max_attempts,
+                                             settings.encode_max_crashes)
 
     ingest = IngestWorker(settings, resolve_kafka_bootstrap(settings), engine, after_store=woken,
                           backlog=backlog)
@@ -40,11 +50,12 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
     health = HealthServer()
     if settings.worker_http_port is not None:
         await health.start("0.0.0.0", settings.worker_http_port)
-    ready = asyncio.create_task(_track_ready(health, ingest))
+    encoding = asyncio.create_task(encode.run())
+    encoding.add_done_callback(_log_encode_death)
+    ready = asyncio.create_task(_track_ready(health, ingest, encoding))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: (ingest.request_stop(), encode.request_stop()))
     try:
-        encoding = asyncio.create_task(encode.run())
         await ingest.run(drain=drain)
         if drain:
             encode.request_drain()
@@ -52,6 +63,8 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
             encode.request_stop()
         await encoding
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         ready.cancel()
         await health.stop()
         await engine.dispose()

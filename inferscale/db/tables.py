@@ -57,7 +57,18 @@ facts = Table(
     Column("encode_attempts", Integer, nullable=False, server_default="0"),
     Column("encode_error", Text),
     Column("retry_at", DateTime(timezone=True)),
+    Column("encode_claims", Integer, nullable=False, server_default="0"),
+    Column("claimed_until", DateTime(timezone=True)),
     Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
     Column("encoded_at", DateTime(timezone=True)),
     Column("deleted_at", DateTime(timezone=True)),
+)
+
+# A forgotten user's tombstone: turns published (Kafka record time) up to forgotten_at are
+# dropped on (re)delivery; later turns start a new memory.
+forgotten_users = Table(
+    "forgotten_users",
+    metadata,
+    Column("user_id", String(256), primary_key=True),
+    Column("forgotten_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
 )
