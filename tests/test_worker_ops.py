@@ -86,7 +86,7 @@ async def test_readyz_fails_when_the_encode_stage_dies(settings, monkeypatch, ca
             assert await _readyz_becomes(client, 200)  # consuming, encode stage alive
             store.release.set()
             assert await _readyz_becomes(client, 503)
-            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.get("/healthz")).status_code == 503  # restart me
         assert "the encode stage died" in caplog.text
         assert "durable tier misconfigured" in caplog.text
     finally:

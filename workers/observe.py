@@ -24,10 +24,12 @@ PAUSED = Gauge("inferscale_worker_paused", "1 while consumption is paused by bac
 
 
 class HealthServer:
-    """GET /metrics, /healthz (process alive), /readyz (consumer assigned, DB reachable)."""
+    """GET /metrics, /healthz (both stages alive: a liveness probe restarts a worker whose
+    encode stage died), /readyz (consumer assigned and both stages alive)."""
 
     def __init__(self) -> None:
         self.ready = False
+        self.alive = True
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -45,7 +47,8 @@ class HealthServer:
             if path == "/metrics":
                 status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest()
             elif path == "/healthz":
-                status, ctype, body = 200, "text/plain", b"ok"
+                status = 200 if self.alive else 503
+                ctype, body = "text/plain", b"ok" if self.alive else b"encode stage died"
             elif path == "/readyz":
                 status = 200 if self.ready else 503
                 ctype, body = "text/plain", b"ready" if self.ready else b"not ready"

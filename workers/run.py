@@ -18,15 +18,17 @@ log = logging.getLogger("inferscale.worker")
 
 
 async def _track_ready(health: HealthServer, ingest: IngestWorker, encoding: asyncio.Task) -> None:
-    """Ready while the consumer runs and the encode stage is alive."""
+    """Alive while the encode stage runs; ready while the consumer runs too."""
     while True:
-        health.ready = ingest.ready and not encoding.done()
+        health.alive = not encoding.done()
+        health.ready = ingest.ready and health.alive
         await asyncio.sleep(0.5)
 
 
 def _log_encode_death(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.error("the encode stage died; /readyz answers 503", exc_info=task.exception())
+        log.error("the encode stage died; /readyz and /healthz answer 503",
+                  exc_info=task.exception())
 
 
 async def run_worker(settings: Settings, drain: bool = False) -> dict:
