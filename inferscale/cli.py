@@ -91,21 +91,26 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
 
     from inferscale.db.engine import create_engine
     from inferscale.forget import forget_user, sweep_orphan_blobs
+    from inferscale.infra import resolve_kafka_bootstrap
+    from inferscale.invalidation import publish_invalidation
     from inferscale.kvstore import KVStore
 
     async def go():
         engine = create_engine(settings=settings)
         try:
             store = KVStore(settings.kv_path, fingerprint="", host_bytes=0)
-            return await forget_user(engine, store, args.user), await sweep_orphan_blobs(
-                engine, store)
+            forgotten = await forget_user(engine, store, args.user)
+            orphans = await sweep_orphan_blobs(engine, store)
         finally:
             await engine.dispose()
+        await publish_invalidation(resolve_kafka_bootstrap(settings),
+                                   settings.invalidation_topic, args.user, forgotten.locations)
+        return forgotten, orphans
 
     forgotten, orphans = asyncio.run(go())
     print(f"forgot user {args.user!r}: {forgotten.facts} facts, {forgotten.blobs} KV blobs, "
-          f"{orphans} orphan blobs swept; running servers purge their memory tiers only when "
-          "asked through --server (or INFERSCALE_SERVER_URL)")
+          f"{orphans} orphan blobs swept; running servers purge their memory tiers and prefix "
+          "caches through the invalidation topic")
     return 0
 
 

@@ -187,6 +187,19 @@ async def compose(rt: _Runtime, owner: str, mode: str, k: int, messages: list[di
                         sum(map(len, text_segments)), retrieval_ms)
 
 
+async def _purge(app, locations: list[str]) -> tuple[int, bool]:
+    """Drop blobs from every vLLM worker's memory tiers and reset vLLM's prefix cache (which
+    vLLM does only between requests: retried). Returns (blobs dropped, prefix cache reset)."""
+    engine_client = app.state.engine_client
+    purged = sum(await engine_client.collective_rpc("inferscale_purge", args=(locations,)))
+    M.purged_blobs.inc(purged)
+    for _ in range(PREFIX_RESET_TRIES):
+        if await engine_client.reset_prefix_cache():
+            return purged, True
+        await asyncio.sleep(0.1)
+    return purged, False
+
+
 def _layout(rt: _Runtime, texts: list[str], injected: list[list[int]], messages: list[dict]
             ) -> tuple[list[list[int]], PromptPlan]:
     """Tokenise the text facts and the chat (blocking: runs in an executor)."""
@@ -246,6 +259,7 @@ class MemoryFrontend:
         # vLLM adds --middleware outside its own --api-key check; run that check first here.
         tokens = [t for t in (self.settings.vllm_api_keys or [os.environ.get("VLLM_API_KEY")])
                   if t]
+        self._invalidations: asyncio.Task | None = None
         self._authenticated = self._handle
         if tokens:
             from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
@@ -260,6 +274,8 @@ class MemoryFrontend:
         return self._runtime
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan" and self._invalidations is None:
+            self._invalidations = self._start_invalidation_consumer(scope["app"])
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
             return await self.app(scope, receive, send)
         await self._authenticated(scope, receive, send)
@@ -298,10 +314,31 @@ class MemoryFrontend:
                  + [(b"content-length", str(len(body)).encode())]}
         await self.app(scope, replay, send_with_headers)
 
+    def _bootstrap(self) -> str | None:
+        from inferscale.infra import InfraError, resolve_kafka_bootstrap
+
+        try:
+            return resolve_kafka_bootstrap(self.settings)
+        except InfraError:
+            return None
+
+    def _start_invalidation_consumer(self, app) -> asyncio.Task | None:
+        """Consume cache invalidations (forgets made anywhere) for this server's lifetime."""
+        from inferscale.invalidation import consume_invalidations
+
+        bootstrap = self._bootstrap()
+        if bootstrap is None:
+            log.warning("no Kafka broker configured: forgets made elsewhere are not purged "
+                        "from this server's memory tiers")
+            return None
+        return asyncio.create_task(consume_invalidations(
+            bootstrap, self.settings.invalidation_topic, lambda locs: _purge(app, locs)))
+
     async def _forget(self, scope, body: bytes, headers: dict[str, str]) -> dict:
-        """Forget a user everywhere this server reaches: rows (with a tombstone), durable blobs,
-        the workers' host/device tiers and vLLM's prefix cache."""
+        """Forget a user: rows (with a tombstone), durable blobs and orphans, this server's
+        memory tiers and prefix cache now, every other server's through an invalidation."""
         from inferscale.forget import forget_user, sweep_orphan_blobs
+        from inferscale.invalidation import publish_invalidation
 
         data = _parse_json(body)
         user = data.get("user") if isinstance(data, dict) else None
@@ -311,16 +348,13 @@ class MemoryFrontend:
         rt = await self._rt()
         forgotten = await forget_user(rt.engine, rt.store, user)
         orphans = await sweep_orphan_blobs(rt.engine, rt.store)
-        engine_client = scope["app"].state.engine_client
-        purged = await engine_client.collective_rpc("inferscale_purge",
-                                                    args=(forgotten.locations,))
-        for _ in range(PREFIX_RESET_TRIES):
-            if reset := await engine_client.reset_prefix_cache():
-                break
-            await asyncio.sleep(0.1)
+        purged, reset = await _purge(scope["app"], forgotten.locations)
+        if (bootstrap := self._bootstrap()) is not None:
+            await publish_invalidation(bootstrap, self.settings.invalidation_topic, user,
+                                       forgotten.locations)
         log.info("forgot a user", extra={"facts": forgotten.facts, "blobs": forgotten.blobs})
         return {"user": user, "facts_deleted": forgotten.facts, "blobs_deleted": forgotten.blobs,
-                "orphan_blobs_deleted": orphans, "purged_from_memory": sum(purged),
+                "orphan_blobs_deleted": orphans, "purged_from_memory": purged,
                 "prefix_cache_reset": reset}
 
     async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]

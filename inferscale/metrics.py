@@ -43,6 +43,7 @@ class _FrontendMetrics:
     prefilled_memory_tokens: Counter
     fallbacks: Counter
     retrieval_seconds: Histogram
+    purged_blobs: Counter
 
 
 FRONTEND_METRICS = _FrontendMetrics(
@@ -53,4 +54,6 @@ FRONTEND_METRICS = _FrontendMetrics(
                                     "Memory tokens prefilled as text"),
     fallbacks=Counter("inferscale_fallbacks", "Facts or requests served as text", ["reason"]),
     retrieval_seconds=Histogram("inferscale_retrieval_seconds", "Embed + top-k latency"),
+    purged_blobs=Counter("inferscale_purged_blobs",
+                         "Invalidated blobs dropped from the workers' host/device tiers"),
 )

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from inferscale.db.engine import resolve_database_url
+from inferscale.infra import InfraError, resolve_kafka_bootstrap
 from inferscale.model_prep import resolve_model_path
 from inferscale.settings import Settings, settings_env
 
@@ -62,7 +63,12 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
     extra_args = list(extra_args or [])
+    try:
+        bootstrap = resolve_kafka_bootstrap(settings)
+    except InfraError:
+        bootstrap = None  # serving works without a broker; invalidations then stay local
     child = settings.model_copy(update={
+        "kafka_bootstrap": bootstrap,
         "database_url": resolve_database_url(settings), "model_path": model_path,
         "kv_dir": settings.kv_path, "plan_secret": settings.plan_secret or secrets.token_hex(32),
         "vllm_api_keys": settings.vllm_api_keys or api_keys_in(extra_args)})

@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     # Topics and consumer group.
     turns_topic: str = "inferscale.turns"
     dead_letter_topic: str = "inferscale.turns.dlq"
+    invalidation_topic: str = "inferscale.invalidations"
     consumer_group: str = "inferscale-ingest"
     kafka_session_timeout_ms: int = 10_000
 

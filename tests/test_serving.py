@@ -276,3 +276,33 @@ async def test_forget_reaches_every_tier_and_backlog_stays_forgotten(served, smo
     await ingest_and_encode(cfg, engine, embedder, [later], encoder, store)
     async with engine.connect() as conn:
         assert await count_user_rows(conn, user) == (1, 1)  # a new memory starts after it
+
+
+async def test_forget_from_the_cli_reaches_the_running_server(served, smol, cfg, engine,
+                                                              embedder):
+    """`inferscale forget` (no --server) publishes an invalidation that the server consumes:
+    the blobs leave its workers' host tier."""
+    import subprocess
+    import sys
+
+    from inferscale.settings import settings_env
+
+    encoder, store = smol
+    user = f"cli-forget-{uuid.uuid4().hex[:6]}"
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, "t1", "Hal", "My telescope is a ten inch Dobsonian."),
+        turn(user, "t2", "Hal", "I photograph the Orion nebula every winter.")], encoder, store)
+    assert served.chat(user, "What telescope does Hal use?", k=2).headers[
+        "x-inferscale-facts-injected"] == "2"  # both blobs now sit in the host tier
+    purged_before = _metric(served, "inferscale_purged_blobs_total")
+    done = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "inferscale.cli", "forget", "--user", user],
+        env=settings_env(cfg), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 facts, 2 KV blobs" in done.stdout
+    for _ in range(120):
+        if _metric(served, "inferscale_purged_blobs_total") >= purged_before + 2:
+            break
+        await asyncio.sleep(0.5)
+    assert _metric(served, "inferscale_purged_blobs_total") == purged_before + 2
+    assert served.chat(user, "What telescope does Hal use?").headers["x-inferscale-facts"] == "0"
