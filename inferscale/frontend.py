@@ -31,6 +31,13 @@ MODES = ("inject", "text", "none")
 MAX_K = 200
 CHAT_PATH = "/v1/chat/completions"
 FORGET_PATH = "/v1/memory/forget"
+# vLLM's engine-control routes (scaling, sleep, cache resets, RPC, profiling, adapters):
+# admin keys only (or anonymous where anonymous access is the chosen policy).
+CONTROL_PATHS = frozenset({
+    "/scale_elastic_ep", "/is_scaling_elastic_ep", "/collective_rpc", "/sleep", "/wake_up",
+    "/release_kv_cache_memory", "/reset_prefix_cache", "/reset_mm_cache",
+    "/reset_encoder_cache", "/start_profile", "/stop_profile", "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter", "/fault_tolerance/apply"})
 PREFIX_RESET_TRIES = 50  # vLLM resets its prefix cache only between requests
 BODY_METHODS = ("POST", "PUT", "PATCH")
 # Keys that reach the engine's Request.kv_transfer_params (directly or via SamplingParams
@@ -123,6 +130,17 @@ def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
     allowed = settings.api_keys[key]
     if owner not in allowed and "*" not in allowed:
         raise FrontendError(403, f"this API key may not read the memory of {owner!r}")
+
+
+def authorize_control(settings: Settings, headers: dict[str, str]) -> None:
+    """Engine-control routes need a key that may act for every owner ("*")."""
+    if not settings.api_keys and settings.anonymous_memory:
+        return
+    try:
+        authorize(settings, headers, "*")
+    except FrontendError as exc:
+        raise FrontendError(exc.status, "engine-control routes need an admin key "
+                                        f"(one that may act for '*'): {exc.message}") from None
 
 
 def _text(content: object) -> str:
@@ -283,6 +301,8 @@ class MemoryFrontend:
     async def _handle(self, scope, receive, send):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
+            if scope["path"] in CONTROL_PATHS:
+                authorize_control(self.settings, headers)
             body = await _read_body(receive, headers, self.settings.max_body_bytes)
             if scope["path"] == FORGET_PATH:
                 return await _json(send, 200, await self._forget(scope, body, headers))

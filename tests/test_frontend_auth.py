@@ -14,7 +14,8 @@ async def _downstream(scope, receive, send):
     await send({"type": "http.response.body", "body": message["body"]})
 
 
-async def _call(frontend, body: dict, headers: dict[str, str]) -> tuple[int, dict]:
+async def _call(frontend, body: dict, headers: dict[str, str],
+                path: str = "/v1/chat/completions") -> tuple[int, dict]:
     sent = []
     raw = json.dumps(body).encode()
 
@@ -24,7 +25,7 @@ async def _call(frontend, body: dict, headers: dict[str, str]) -> tuple[int, dic
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+    scope = {"type": "http", "method": "POST", "path": path,
              "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
     await frontend(scope, receive, send)
     return sent[0]["status"], json.loads(sent[1]["body"])
@@ -89,3 +90,23 @@ async def test_refused_kv_transfer_params_anywhere(frontend):
             "kv_transfer_params": 1}}, {"a": [{"b": {"kv_transfer_params": None}}]}):
         code, answer = await _call(frontend, body, {})
         assert code == 400 and "reserved" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(("settings", "headers", "status"), [
+    (Settings(api_keys={"key-a": ["alice"], "root": ["*"]}), {}, 401),
+    (Settings(api_keys={"key-a": ["alice"], "root": ["*"]}),
+     {"authorization": "Bearer key-a"}, 403),
+    (Settings(api_keys={"key-a": ["alice"], "root": ["*"]}),
+     {"authorization": "Bearer root"}, 200),
+    (Settings(server_host="0.0.0.0"), {}, 401),
+    (Settings(), {}, 200),  # loopback, no keys: the anonymous policy applies here too
+])
+async def test_engine_control_routes_need_an_admin_key(settings, headers, status):
+    app = MemoryFrontend(_downstream)
+    app.settings = settings
+    body = {"new_data_parallel_size": 2}
+    for path in ("/scale_elastic_ep", "/sleep", "/collective_rpc", "/v1/load_lora_adapter"):
+        code, answer = await _call(app, body, headers, path=path)
+        assert code == status, (path, answer)
+        if status != 200:
+            assert "admin key" in answer["error"]["message"]
