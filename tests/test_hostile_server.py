@@ -228,5 +228,33 @@ def test_fuzzed_chat_requests_never_crash(served, body, user_header):
     assert response.status_code < 500, (body, response.text)
 
 
+LIMITS = {"max_tokens": 1, "max_output_tokens": 1, "max_completion_tokens": 1}
+route_bodies = st.one_of(json_values, st.dictionaries(
+    st.sampled_from(["model", "messages", "prompt", "input", "user", "inferscale", "stream",
+                     "cache_salt", "n", "logprobs", "tools", "requests"]) | any_text,
+    json_values, max_size=6))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_bodies_on_every_route_leave_the_server_up(served, post_routes, data):
+    """Arbitrary JSON on every POST route (engine-control routes aside) and the forget route:
+    whatever each route answers, the server stays up."""
+    from inferscale.frontend import CONTROL_PATHS, FORGET_PATH
+
+    paths = sorted(set(post_routes) - CONTROL_PATHS | {FORGET_PATH})
+    path = data.draw(st.sampled_from(paths))
+    body = data.draw(route_bodies)
+    if isinstance(body, dict):
+        body = {**body, **LIMITS}  # never a long generation on 2 cores
+    response = httpx.post(f"{served.url}{path}", content=json.dumps(body).encode(), timeout=120,
+                          headers={"content-type": "application/json"})
+    tried("server: fuzzed bodies, every POST route")
+    if response.status_code >= 500:  # reported, not fatal: the contract is that it stays up
+        tried(f"server: fuzzed bodies answered {response.status_code} on {path}")
+    assert httpx.get(f"{served.url}/health", timeout=30).status_code == 200, (path, body)
+
+
 def test_alive_after_fuzzing(served, memory_user):
     _assert_alive_with_memory(served, memory_user)
