@@ -233,6 +233,15 @@ def _parse_json(body: bytes) -> object:
                                  f"{type(exc).__name__}") from None
 
 
+def _parse_request(body: bytes) -> object:
+    """The JSON body, refused if it carries a reserved key anywhere (blocking: both scale with
+    the body, so large bodies run this in a thread)."""
+    data = _parse_json(body)
+    if _has_reserved_key(data):
+        raise FrontendError(400, "kv_transfer_params is reserved for the InferScale front end")
+    return data
+
+
 def _has_reserved_key(data: object) -> bool:
     """Whether a reserved key appears at any depth (iterative: no recursion limit)."""
     stack = [data]
@@ -387,10 +396,8 @@ class MemoryFrontend:
             return body, {}
         if not body.strip():
             return body, {}
-        data = (await asyncio.to_thread(_parse_json, body) if len(body) > PARSE_IN_THREAD_BYTES
-                else _parse_json(body))
-        if _has_reserved_key(data):
-            raise FrontendError(400, "kv_transfer_params is reserved for the InferScale front end")
+        data = (await asyncio.to_thread(_parse_request, body)
+                if len(body) > PARSE_IN_THREAD_BYTES else _parse_request(body))
         if path != CHAT_PATH or not isinstance(data, dict):
             return body, {}
         owner, mode, k = _owner_and_options(data, headers, self.settings)

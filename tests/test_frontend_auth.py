@@ -87,7 +87,8 @@ async def test_vllm_api_key_is_checked_before_any_memory_work(monkeypatch):
 
 async def test_refused_kv_transfer_params_anywhere(frontend):
     for body in ({**CHAT, "kv_transfer_params": {}}, {**CHAT, "vllm_xargs": {
-            "kv_transfer_params": 1}}, {"a": [{"b": {"kv_transfer_params": None}}]}):
+            "kv_transfer_params": 1}}, {"a": [{"b": {"kv_transfer_params": None}}]},
+                 {"pad": "x" * 100_000, "kv_transfer_params": {}}):  # parsed in a thread
         code, answer = await _call(frontend, body, {})
         assert code == 400 and "reserved" in answer["error"]["message"]
 
