@@ -171,7 +171,9 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale import evaluate
 
     evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
-                 questions=args.questions, ks=tuple(args.k), windows=tuple(args.w))
+                 questions=args.questions, ks=tuple(args.k), windows=tuple(args.w),
+                 recomputes=tuple(args.recompute), max_tokens=args.max_tokens,
+                 max_turns=args.max_turns, seed=args.seed)
     return 0
 
 
@@ -237,14 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=20, help="facts / queries per configuration")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("eval", help="LoCoMo answer accuracy: inject vs text vs none")
-    p.add_argument("dataset", choices=["locomo"])
+    p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none")
+    p.add_argument("dataset", choices=["fidelity"])
     p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--conversations", type=int, default=1)
-    p.add_argument("--questions", type=int, default=25, help="QA items per conversation")
-    p.add_argument("--k", type=int, nargs="+", default=[5, 20])
-    p.add_argument("--w", type=int, nargs="+", default=[0, 5], help="encoding windows")
+    p.add_argument("--questions", type=int, default=100, help="QA items in all (categories 1-4)")
+    p.add_argument("--k", type=int, nargs="+", default=[20])
+    p.add_argument("--w", type=int, nargs="+", default=[5], help="encoding windows")
+    p.add_argument("--recompute", type=int, nargs="+", default=[0],
+                   help="tail recompute: best m facts prefilled after the injected ones")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-turns", type=int, help="ingest only each conversation's first N turns")
+    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("demo", help="run the whole pipeline on embedded defaults")

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 
+from inferscale.kvstore import KVStore
 from inferscale.layout import MemoryLayout
+from inferscale.settings import Settings
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+PREAMBLE = "preamble"  # blob name of the preamble's own KV, one per model
 
 
 class UnsupportedModel(ValueError):
@@ -57,6 +60,11 @@ def check_supported(config) -> None:
 def default_device() -> torch.device:
     """GPU when present, CPU otherwise."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def compute_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of an ``encode_dtype`` setting (None for "auto")."""
+    return None if name == "auto" else getattr(torch, name)
 
 
 class FactEncoder:
@@ -169,3 +177,20 @@ class FactEncoder:
         for text in context_texts:
             prefix += self.layout.fact_segment(text)
         return EncodeItem(prefix_ids=prefix, span_ids=self.layout.fact_segment(fact_text))
+
+
+def load_encoder(settings: Settings) -> FactEncoder:
+    """The encoder of the model, device and compute dtype the settings name."""
+    from inferscale.model_prep import resolve_model_path
+
+    return FactEncoder(resolve_model_path(settings), device=settings.device,
+                       dtype=compute_dtype(settings.encode_dtype))
+
+
+def ensure_preamble(encoder: FactEncoder, store: KVStore) -> str:
+    """Encode and store the preamble KV once per model; returns its location."""
+    location = store.location_for(PREAMBLE)
+    if not (store.root / location).exists():
+        span = encoder.encode_preamble()
+        store.put(PREAMBLE, span.k, span.v, span.token_ids, window=0)
+    return location

@@ -1,9 +1,11 @@
-"""`inferscale eval locomo`: answer accuracy with memory injected vs prefilled vs none.
+"""`inferscale eval fidelity`: does injected memory answer like the same memory prefilled?
 
 Each conversation is ingested through the real pipeline (Kafka -> worker process -> Postgres and
-KV store) once per encoding window w; then QA categories 1-4 are answered through the server
-with inject (per w and k), text (per k; the same facts, in the same order, prefilled) and none.
-Scores: LoCoMo token F1 and exact match by category, first-token agreement inject vs text.
+KV store) once per encoding window w. Then QA items of categories 1-4 are answered through the
+server, streamed, greedy, with logprobs: ``none``; ``text`` (top-k facts prefilled); ``inject``
+(the same facts, same order, as KV) per window and per tail-recompute m. Per configuration: LoCoMo
+F1, agreement with text on generated token ids (first token, first 4, whole answer), mean KL of
+the first-token distributions, the F1 gap with a paired bootstrap interval, and TTFT.
 """
 
 from __future__ import annotations
@@ -12,31 +14,72 @@ import asyncio
 import json
 import random
 import statistics
+import time
 import uuid
-from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from inferscale.bench.common import print_table, write_report
 from inferscale.db.engine import create_engine
+from inferscale.fidelity import compare
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.scoring import exact_match, locomo_f1
 from inferscale.settings import Settings
 from inferscale.sources import locomo_turns
 from inferscale.stack import prepare, server_process, wait_encoded, worker_process
 
+TOP_LOGPROBS = 20
+TOKEN_PREFIX = "token_id:"
 
-def _ingest(settings: Settings, samples: list[dict], window: int, out_dir: Path) -> dict:
+
+@dataclass(frozen=True)
+class Config:
+    """One way of answering: a memory mode, k, the window of the KV used, facts recomputed."""
+
+    mode: str
+    k: int = 0
+    w: int | None = None
+    recompute: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.mode == "none":
+            return "none"
+        if self.mode == "text":
+            return f"text k={self.k} (user w={self.w})"
+        return f"inject k={self.k} w={self.w} m={self.recompute}"
+
+    def reference(self) -> Config:
+        """The text configuration this one is compared with."""
+        return Config("text", self.k, self.w)
+
+
+def configs(ks: list[int], windows: list[int], recomputes: list[int]) -> list[Config]:
+    """none, then per k: text per window (its own user), inject per window and recompute."""
+    out = [Config("none")]
+    for k in ks:
+        for w in windows:
+            out.append(Config("text", k, w))
+            out += [Config("inject", k, w, m) for m in recomputes if m <= k]
+    return out
+
+
+def _ingest(settings: Settings, samples: list[dict], window: int, out_dir: Path,
+            max_turns: int | None) -> dict:
     """Ingest every sample under window-specific user ids; returns sample_id -> user id."""
     tag = uuid.uuid4().hex[:6]
     run = settings.model_copy(update={
         "window": window, "turns_topic": f"eval-{tag}", "dead_letter_topic": f"eval-{tag}.dlq",
         "consumer_group": f"eval-{tag}"})
     users = {s["sample_id"]: f"{s['sample_id']}-w{window}-{tag}" for s in samples}
-    events = [t.model_copy(update={"user_id": users[t.user_id],
-                                   "conversation_id": users[t.user_id]})
-              for t in locomo_turns(samples)]
+    events, taken = [], dict.fromkeys(users, 0)
+    for t in locomo_turns(samples):
+        if max_turns is None or taken[t.user_id] < max_turns:
+            taken[t.user_id] += 1
+            user = users[t.user_id]
+            events.append(t.model_copy(update={"user_id": user, "conversation_id": user}))
 
     async def go() -> None:
         await ensure_topics(run.kafka_bootstrap, [run.turns_topic, run.dead_letter_topic])
@@ -53,99 +96,116 @@ def _ingest(settings: Settings, samples: list[dict], window: int, out_dir: Path)
     return users
 
 
-async def _answer(client: httpx.AsyncClient, url: str, user: str, question: str, mode: str,
-                  k: int) -> str:
-    response = await client.post(f"{url}/v1/chat/completions", json={
-        "model": "inferscale", "user": user, "max_tokens": 32, "temperature": 0,
-        "messages": [{"role": "user", "content": question}],
-        "inferscale": {"mode": mode, "k": k}})
-    response.raise_for_status()
-    return response.json()["choices"][0]["message"]["content"] or ""
+def _token_id(token: str) -> int:
+    return int(token.removeprefix(TOKEN_PREFIX))
 
 
-async def _ask_all(url: str, items: list[dict], ks: list[int], windows: list[int]) -> list[dict]:
+async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, config: Config,
+                 max_tokens: int) -> dict:
+    """One streamed greedy answer: text, generated token ids, first-position top logprobs,
+    TTFT (to the first generated token) and the fact ids the server used, in prompt order."""
+    body = {"model": "inferscale", "user": user, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "logprobs": True, "top_logprobs": TOP_LOGPROBS,
+            "return_tokens_as_token_ids": True,
+            "messages": [{"role": "user", "content": question}],
+            "inferscale": {"mode": config.mode, "k": config.k, "recompute": config.recompute}}
+    text, token_ids, first_top, ttft = [], [], {}, None
+    started = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{config.name}: HTTP {response.status_code}: "
+                               f"{(await response.aread())[:300]!r}")
+        fact_ids = response.headers.get("x-inferscale-fact-ids", "")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+            for item in (choice.get("logprobs") or {}).get("content") or []:
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                    first_top = {_token_id(t["token"]): t["logprob"]
+                                 for t in item["top_logprobs"]}
+                token_ids.append(_token_id(item["token"]))
+            text.append((choice.get("delta") or {}).get("content") or "")
+    return {"prediction": "".join(text), "token_ids": token_ids, "first_top": first_top,
+            "ttft_s": ttft, "fact_ids": fact_ids}
+
+
+async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: int,
+                   warmup: int = 2) -> list[dict]:
     records = []
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=600) as client:
+        for item in items[:warmup]:  # compile and page-in warm-up, not timed
+            for config in plan:
+                await answer(client, url, item["users"][config.w or 0], item["question"],
+                             config, 2)
         for n, item in enumerate(items, 1):
-            base = {"question": item["question"], "answer": item["answer"],
-                    "category": item["category"]}
-            user0 = item["users"][windows[0]]
-            records.append({**base, "mode": "none", "k": 0, "w": None, "prediction":
-                            await _answer(client, url, user0, item["question"], "none", 0)})
-            for k in ks:
-                records.append({**base, "mode": "text", "k": k, "w": None, "prediction":
-                                await _answer(client, url, user0, item["question"], "text", k)})
-                for w in windows:
-                    records.append({**base, "mode": "inject", "k": k, "w": w, "prediction":
-                                    await _answer(client, url, item["users"][w],
-                                                  item["question"], "inject", k)})
+            for config in plan:
+                got = await answer(client, url, item["users"][config.w or 0], item["question"],
+                                   config, max_tokens)
+                records.append({"question": item["question"], "answer": item["answer"],
+                                "category": item["category"], "config": config.name,
+                                "f1": locomo_f1(got["prediction"], item["answer"],
+                                                item["category"]),
+                                "em": exact_match(got["prediction"], item["answer"]), **got})
             print(f"  answered {n}/{len(items)}", flush=True)
-    for r in records:
-        r["f1"] = locomo_f1(r["prediction"], r["answer"], r["category"])
-        r["em"] = exact_match(r["prediction"], r["answer"])
     return records
 
 
-def _first_token(text: str) -> str:
-    return (text.split() or [""])[0].lower()
-
-
-def summarize(records: list[dict], ks: list[int], windows: list[int]) -> dict:
-    """F1/EM by configuration and category; first-token agreement and gap inject - text."""
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for r in records:
-        name = r["mode"] if r["mode"] == "none" else (
-            f"text k={r['k']}" if r["mode"] == "text" else f"inject k={r['k']} w={r['w']}")
-        groups[name].append(r)
-    categories = sorted({r["category"] for r in records})
+def summarize(records: list[dict], plan: list[Config]) -> dict:
+    """Per configuration: F1, EM, TTFT; inject configurations also vs their text reference."""
+    by_config = {c.name: [r for r in records if r["config"] == c.name] for c in plan}
     summary = {}
-    for name, rows in groups.items():
-        summary[name] = {
-            "f1": statistics.mean(r["f1"] for r in rows),
-            "em": statistics.mean(r["em"] for r in rows),
-            "by_category": {c: statistics.mean(r["f1"] for r in rows if r["category"] == c)
-                            for c in categories if any(r["category"] == c for r in rows)},
-        }
-    agreement = {}
-    for k in ks:
-        text = {r["question"]: r["prediction"] for r in groups[f"text k={k}"]}
-        for w in windows:
-            rows = groups[f"inject k={k} w={w}"]
-            agreement[f"k={k} w={w}"] = {
-                "first_token_agreement": statistics.mean(
-                    _first_token(r["prediction"]) == _first_token(text[r["question"]])
-                    for r in rows),
-                "f1_gap_inject_minus_text": summary[f"inject k={k} w={w}"]["f1"]
-                - summary[f"text k={k}"]["f1"]}
-    return {"configs": summary, "agreement": agreement, "categories": categories}
+    for config in plan:
+        rows = by_config[config.name]
+        entry = {"f1": statistics.mean(r["f1"] for r in rows),
+                 "em": statistics.mean(r["em"] for r in rows),
+                 "ttft_p50_s": statistics.median(r["ttft_s"] for r in rows)}
+        if config.mode == "inject":
+            reference = by_config[config.reference().name]
+            entry["vs_text"] = compare(reference, rows)
+            entry["same_facts"] = statistics.mean(
+                sorted(r["fact_ids"].split(",")) == sorted(t["fact_ids"].split(","))
+                for r, t in zip(rows, reference, strict=True))
+            entry["ttft_ratio_text_over_this"] = (
+                summary[config.reference().name]["ttft_p50_s"] / entry["ttft_p50_s"])
+        summary[config.name] = entry
+    return summary
+
+
+def _print(summary: dict) -> None:
+    rows = []
+    for name, s in summary.items():
+        v = s.get("vs_text")
+        rows.append([name, s["f1"] * 100, s["ttft_p50_s"] * 1000,
+                     *([s["ttft_ratio_text_over_this"], v["first_token"], v["first_4"],
+                        v["whole_answer"], v["first_token_kl"], v["f1_gap"] * 100,
+                        "{:+.1f} .. {:+.1f}".format(*(x * 100 for x in v["f1_gap_ci95"]))]
+                       if v else [""] * 7)])
+    print_table(["config", "F1", "TTFT p50 ms", "text/this TTFT", "first token", "first 4",
+                 "whole answer", "KL first token", "F1 gap", "gap 95% CI"], rows)
 
 
 def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
-        questions: int = 25, ks: tuple[int, ...] = (5, 20), windows: tuple[int, ...] = (0, 5),
+        questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
+        recomputes: tuple[int, ...] = (0,), max_tokens: int = 32, max_turns: int | None = None,
         seed: int = 0) -> dict:
     """Ingest, serve, answer and score; prints a table and writes JSON."""
     samples = json.loads(data.read_text())[:conversations]
     settings = prepare(settings)
     out_dir.mkdir(parents=True, exist_ok=True)
-    users_by_window = {w: _ingest(settings, samples, w, out_dir) for w in windows}
-    rng = random.Random(seed)
-    items = []
-    for sample in samples:
-        qa = [q for q in sample["qa"] if q.get("category") in (1, 2, 3, 4) and "answer" in q]
-        for q in rng.sample(qa, min(questions, len(qa))):
-            items.append({**q, "users": {w: users_by_window[w][sample["sample_id"]]
-                                         for w in windows}})
+    users_by_window = {w: _ingest(settings, samples, w, out_dir, max_turns) for w in windows}
+    qa = [{**q, "users": {0: users_by_window[windows[0]][s["sample_id"]],
+                          **{w: users_by_window[w][s["sample_id"]] for w in windows}}}
+          for s in samples for q in s["qa"] if q.get("category") in (1, 2, 3, 4) and "answer" in q]
+    items = random.Random(seed).sample(qa, min(questions, len(qa)))
+    plan = configs(list(ks), list(windows), list(recomputes))
     with server_process(settings, out_dir / "server.log") as url:
-        records = asyncio.run(_ask_all(url, items, list(ks), list(windows)))
-    summary = summarize(records, list(ks), list(windows))
-    cats = summary["categories"]
-    print_table(["config", "F1", "EM", *[f"F1 cat {c}" for c in cats]],
-                [[name, s["f1"], s["em"], *[s["by_category"].get(c, float("nan")) for c in cats]]
-                 for name, s in sorted(summary["configs"].items())])
-    print_table(["inject vs text", "first-token agreement", "F1 gap inject - text"],
-                [[name, a["first_token_agreement"], a["f1_gap_inject_minus_text"]]
-                 for name, a in summary["agreement"].items()])
-    report = {"data": str(data), "questions": len(items), "ks": list(ks),
-              "windows": list(windows), "summary": summary, "records": records}
-    write_report(out_dir, "eval-locomo", report)
+        records = asyncio.run(_ask_all(url, items, plan, max_tokens))
+    summary = summarize(records, plan)
+    _print(summary)
+    report = {"data": str(data), "questions": len(items), "ks": list(ks), "windows": list(windows),
+              "recomputes": list(recomputes), "max_tokens": max_tokens, "max_turns": max_turns,
+              "encode_dtype": settings.encode_dtype, "summary": summary, "records": records}
+    write_report(out_dir, "eval-fidelity", report)
     return report

@@ -5,8 +5,9 @@ rewritten before vLLM sees it: the last user message is embedded, the owner's to
 retrieved, the prompt is composed with the memory layout and sent as token ids, with a signed
 injection plan for the encoded facts (``kv_transfer_params``) and a per-memory ``cache_salt``.
 Requests without an owner pass through untouched. Per request, ``"inferscale": {"mode": ...,
-"k": ...}`` in the body (or ``X-InferScale-Memory`` / ``X-InferScale-K`` headers) overrides the
-defaults; modes: ``inject`` (default), ``text`` (same facts prefilled as text), ``none``.
+"k": ..., "recompute": ...}`` in the body (or ``X-InferScale-Memory`` / ``-K`` / ``-Recompute``
+headers) overrides the defaults; modes: ``inject`` (default), ``text`` (same facts prefilled as
+text), ``none``; ``recompute``: the best m facts are prefilled after the injected ones.
 """
 
 from __future__ import annotations
@@ -94,8 +95,27 @@ class _Runtime:
         self.store = KVStore(settings.kv_path, self.fingerprint, host_bytes=0)
 
 
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Per-request memory choices: mode, how many facts, how many of the best to recompute."""
+
+    mode: str
+    k: int
+    recompute: int = 0
+
+
+def _int_option(name: str, raw: object) -> int:
+    try:
+        value = int(raw)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        raise FrontendError(400, f"{name} must be an integer, got {str(raw)[:40]!r}") from None
+    if not 0 <= value <= MAX_K:
+        raise FrontendError(400, f"{name} must be between 0 and {MAX_K}")
+    return value
+
+
 def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
-                       ) -> tuple[str | None, str, int]:
+                       ) -> tuple[str | None, MemoryOptions]:
     owner = headers.get("x-inferscale-user") or data.get("user")
     options = data.pop("inferscale", None) or {}
     if not isinstance(options, dict):
@@ -103,16 +123,12 @@ def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
     mode = str(options.get("mode") or headers.get("x-inferscale-memory") or settings.memory_mode)
     if mode not in MODES:
         raise FrontendError(400, f"unknown memory mode {mode!r}; use one of {MODES}")
-    raw_k = options.get("k", headers.get("x-inferscale-k", settings.top_k))
-    try:
-        k = int(raw_k)
-    except (TypeError, ValueError, OverflowError):
-        raise FrontendError(400, f"k must be an integer, got {str(raw_k)[:40]!r}") from None
-    if not 0 <= k <= MAX_K:
-        raise FrontendError(400, f"k must be between 0 and {MAX_K}")
+    k = _int_option("k", options.get("k", headers.get("x-inferscale-k", settings.top_k)))
+    recompute = _int_option("recompute", options.get(
+        "recompute", headers.get("x-inferscale-recompute", settings.recompute_tail)))
     if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
         raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
-    return owner, mode, k
+    return owner, MemoryOptions(mode, k, recompute)
 
 
 def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
@@ -173,23 +189,27 @@ def _messages(data: dict) -> tuple[list[dict], str]:
     return messages, users[-1]
 
 
-async def compose(rt: _Runtime, owner: str, mode: str, k: int, messages: list[dict],
+async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: list[dict],
                   query: str) -> MemoryPrompt:
-    """Retrieve the owner's facts and lay out the prompt (best fact last, as the paper does)."""
+    """Retrieve the owner's facts and lay out the prompt (best fact last, as the paper does).
+    Injected facts come first (external KV is a prefix); the best ``options.recompute`` facts
+    and any fact without usable KV follow as text, in retrieval order."""
     from inferscale.retrieval import retrieve
 
+    mode = options.mode
     started = time.perf_counter()
-    facts = [] if mode == "none" else await retrieve(rt.engine, rt.embedder, owner, query, k)
+    facts = ([] if mode == "none" else
+             await retrieve(rt.engine, rt.embedder, owner, query, options.k))
     retrieval_ms = (time.perf_counter() - started) * 1000
     M.retrieval_seconds.observe(retrieval_ms / 1000)
     facts.reverse()
-    injectable = [f for f in facts if mode == "inject" and f.kv_location and f.token_ids
+    head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
+    injectable = [f for f in head if f.kv_location and f.token_ids
                   and f.model_fingerprint == rt.fingerprint]
     as_text = [f for f in facts if f not in injectable]
-    if mode == "inject":
-        for f in as_text:
-            reason = "other_model" if f.kv_location else "not_encoded"
-            M.fallbacks.labels(reason).inc()
+    for f in head:
+        if f not in injectable:
+            M.fallbacks.labels("other_model" if f.kv_location else "not_encoded").inc()
     text_segments, prompt = await asyncio.get_running_loop().run_in_executor(
         None, _layout, rt, [f.text for f in as_text], [list(f.token_ids) for f in injectable],
         messages)
@@ -400,13 +420,13 @@ class MemoryFrontend:
                 if len(body) > PARSE_IN_THREAD_BYTES else _parse_request(body))
         if path != CHAT_PATH or not isinstance(data, dict):
             return body, {}
-        owner, mode, k = _owner_and_options(data, headers, self.settings)
+        owner, options = _owner_and_options(data, headers, self.settings)
         if owner is None:
             return json.dumps(data).encode(), {}
         authorize(self.settings, headers, owner)
         messages, query = _messages(data)
         rt = await self._rt()
-        prompt = await compose(rt, owner, mode, k, messages, query)
+        prompt = await compose(rt, owner, options, messages, query)
         params: dict = {"prompt_token_ids": prompt.token_ids}
         checksums = None
         if prompt.plan is not None:
@@ -418,13 +438,13 @@ class MemoryFrontend:
             [owner, rt.fingerprint, checksums, data.get("cache_salt")]).encode()).hexdigest()
         data["cache_salt"] = f"inferscale-{digest[:32]}"
         data["kv_transfer_params"] = params
-        M.requests.labels(mode).inc()
+        M.requests.labels(options.mode).inc()
         M.facts.labels("injected").inc(prompt.facts_injected)
         M.facts.labels("text").inc(prompt.facts_text)
         M.injected_tokens.inc(prompt.injected_tokens)
         M.prefilled_memory_tokens.inc(prompt.text_memory_tokens)
         return json.dumps(data).encode(), {
-            "x-inferscale-mode": mode,
+            "x-inferscale-mode": options.mode,
             "x-inferscale-facts": str(prompt.facts_injected + prompt.facts_text),
             "x-inferscale-facts-injected": str(prompt.facts_injected),
             "x-inferscale-fact-ids": ",".join(map(str, prompt.fact_ids)),

@@ -29,14 +29,14 @@ KV_TRANSFER_CONFIG = {
 
 def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
     """The preamble blob must exist before the first injected request; encode it if missing."""
-    from inferscale.encoder import FactEncoder
+    from inferscale.encoder import PREAMBLE, ensure_preamble, load_encoder
     from inferscale.fingerprint import model_fingerprint
     from inferscale.kvstore import KVStore
-    from workers.encode import PREAMBLE, ensure_preamble
 
     store = KVStore(settings.kv_path, model_fingerprint(model_path), host_bytes=0)
     if not (store.root / store.location_for(PREAMBLE)).exists():
-        ensure_preamble(FactEncoder(model_path, device=settings.device), store)
+        ensure_preamble(load_encoder(settings.model_copy(update={"model_path": model_path})),
+                        store)
 
 
 def api_keys_in(vllm_args: list[str]) -> list[str]:

@@ -6,6 +6,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -62,6 +63,9 @@ class Settings(BaseSettings):
     # batch, leaving the shared device (CPU cores or GPU) to serving: less TTFT, later KV.
     encode_duty_cycle: float = Field(default=1.0, gt=0.0, le=1.0)
     device: str | None = None
+    # Compute dtype of the encoder's forward pass; "auto": float32 on CPU, the model's dtype on
+    # a GPU. KV is always stored in the model's dtype, as vLLM serves it.
+    encode_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     # KV store tiers.
     kv_dir: Path | None = None
@@ -71,6 +75,9 @@ class Settings(BaseSettings):
     # Serving.
     top_k: int = 5
     memory_mode: str = "inject"
+    # Tail recompute: the best this-many retrieved facts (they sit last, next to the question)
+    # are prefilled as text after the injected ones, so they see the injected memory.
+    recompute_tail: int = Field(default=0, ge=0)
     server_host: str = "127.0.0.1"
     server_port: int = 8000
     server_url: str | None = None

@@ -174,7 +174,7 @@ def test_refusals_carry_no_memory_headers(served, memory_user):
 
 async def test_text_prompts_are_salted_per_owner(served, memory_user):
     """A text-mode memory prompt's cached blocks serve its owner again, nobody else."""
-    from inferscale.frontend import _Runtime, compose
+    from inferscale.frontend import MemoryOptions, _Runtime, compose
 
     question = "Where does Ines teach?"
     messages = [{"role": "system", "content": "Answer briefly. " * 150},  # > 2 cache blocks
@@ -184,7 +184,7 @@ async def test_text_prompts_are_salted_per_owner(served, memory_user):
     assert (again.json()["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) > 0
     rt = _Runtime(served.settings)
     try:
-        prompt = await compose(rt, memory_user, "text", 2, messages, question)
+        prompt = await compose(rt, memory_user, MemoryOptions("text", 2), messages, question)
     finally:
         await rt.engine.dispose()
     stranger = httpx.post(f"{served.url}/v1/completions", timeout=60, json={

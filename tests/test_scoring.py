@@ -2,7 +2,6 @@
 
 import pytest
 
-from inferscale.evaluate import summarize
 from inferscale.scoring import exact_match, locomo_f1, normalize_answer
 
 
@@ -18,18 +17,3 @@ def test_f1_stems_and_handles_categories():
     assert locomo_f1("psychology, counseling", "Psychology, counseling certification", 1) == (
         pytest.approx((1.0 + 2 / 3) / 2))
     assert locomo_f1("Lisbon", "Lisbon; Portugal", 3) == 1.0
-
-
-def test_summary_reports_gap_and_first_token_agreement():
-    base = {"question": "q", "answer": "Lisbon", "category": 1}
-    records = [
-        {**base, "mode": "text", "k": 5, "w": None, "prediction": "Lisbon", "f1": 1.0,
-         "em": True},
-        {**base, "mode": "inject", "k": 5, "w": 0, "prediction": "Porto", "f1": 0.0,
-         "em": False},
-        {**base, "mode": "none", "k": 0, "w": None, "prediction": "?", "f1": 0.0, "em": False},
-    ]
-    summary = summarize(records, [5], [0])
-    assert summary["agreement"]["k=5 w=0"]["f1_gap_inject_minus_text"] == -1.0
-    assert summary["agreement"]["k=5 w=0"]["first_token_agreement"] == 0.0
-    assert summary["configs"]["text k=5"]["by_category"] == {1: 1.0}

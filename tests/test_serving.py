@@ -89,7 +89,7 @@ async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedde
     assert "green" in served.chat(a, question).json()["choices"][0]["message"]["content"].lower()
     assert "purple" in served.chat(b, question).json()["choices"][0]["message"]["content"].lower()
 
-    from inferscale.frontend import _Runtime, compose
+    from inferscale.frontend import MemoryOptions, _Runtime, compose
 
     rt = _Runtime(served.settings)
     owners: dict[int, str] = {}
@@ -102,7 +102,7 @@ async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedde
     foreign = 0
     for _ in range(300):
         user = rng.choice(users)
-        prompt = await compose(rt, user, "inject", rng.choice([1, 5, 20]), [
+        prompt = await compose(rt, user, MemoryOptions("inject", rng.choice([1, 5, 20])), [
             {"role": "user", "content": rng.choice(queries)}], rng.choice(queries))
         foreign += sum(owners[int(s.name)] != user for s in prompt.plan.segments[1:])
     await rt.engine.dispose()

@@ -27,7 +27,7 @@ from inferscale.db.queries import (
     record_encode_failure,
     record_encoded,
 )
-from inferscale.encoder import FactEncoder
+from inferscale.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.fingerprint import model_fingerprint
 from inferscale.kvstore import KVStore
 from inferscale.model_prep import resolve_model_path
@@ -37,8 +37,6 @@ from workers.ingest import is_transient_db_error, retry_transient
 
 log = logging.getLogger("inferscale.encode")
 
-PREAMBLE = "preamble"
-
 
 def failure_reason(exc: BaseException) -> str:
     """``storage: ...`` for durable-tier errors (disk full, permission denied: retried until
@@ -47,20 +45,10 @@ def failure_reason(exc: BaseException) -> str:
     return f"{kind}: {type(exc).__name__}: {exc}"
 
 
-def ensure_preamble(encoder: FactEncoder, store: KVStore) -> str:
-    """Encode and store the preamble KV once per model; returns its location."""
-    location = store.location_for(PREAMBLE)
-    if not (store.root / location).exists():
-        span = encoder.encode_preamble()
-        store.put(PREAMBLE, span.k, span.v, span.token_ids, window=0)
-    return location
-
-
 def open_encoder_and_store(settings: Settings) -> tuple[FactEncoder, KVStore]:
     """Load the model named by the settings and the KV store keyed by its fingerprint."""
-    model_path = resolve_model_path(settings)
-    encoder = FactEncoder(model_path, device=settings.device)
-    store = KVStore(settings.kv_path, model_fingerprint(model_path),
+    encoder = load_encoder(settings)
+    store = KVStore(settings.kv_path, model_fingerprint(resolve_model_path(settings)),
                     host_bytes=settings.host_cache_bytes)
     return encoder, store
 

@@ -1,0 +1,84 @@
+"""Fidelity metrics: how closely answers with injected memory follow the same memory prefilled.
+
+Answers are compared on generated token ids (not words): first token, first n tokens, whole
+answer; the first-token distributions through a KL estimate from the top logprobs; answer F1
+through a paired bootstrap interval of the gap.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+import numpy as np
+
+MIN_PROB = 1e-9  # floor for a probability the top logprobs do not cover
+
+
+def same_prefix(a: Sequence[int], b: Sequence[int], n: int) -> bool:
+    """Whether the first ``n`` generated token ids agree (a shorter answer counts whole)."""
+    return list(a[:n]) == list(b[:n])
+
+
+def top_kl(p: dict[int, float], q: dict[int, float]) -> float:
+    """KL(P || Q) in nats, estimated from two top-logprob maps (token id -> logprob).
+
+    Sums over P's top tokens plus one bucket for the rest of P's mass. A token missing from
+    Q's top list gets the smaller of Q's lowest listed probability and Q's uncovered mass.
+    """
+    if not p:
+        raise ValueError("P has no logprobs")
+    q_probs = {t: math.exp(lp) for t, lp in q.items()}
+    q_rest = max(1.0 - sum(q_probs.values()), MIN_PROB)
+    q_unlisted = max(min(min(q_probs.values(), default=1.0), q_rest), MIN_PROB)
+    kl, p_listed, q_listed = 0.0, 0.0, 0.0
+    for token, logprob in p.items():
+        p_t = math.exp(logprob)
+        q_t = q_probs.get(token, q_unlisted)
+        kl += p_t * (logprob - math.log(q_t))
+        p_listed += p_t
+        q_listed += q_t
+    p_rest = max(1.0 - p_listed, 0.0)
+    if p_rest > MIN_PROB:
+        kl += p_rest * math.log(p_rest / max(1.0 - q_listed, MIN_PROB))
+    return max(kl, 0.0)
+
+
+def bootstrap_mean_ci(values: Sequence[float], resamples: int = 2000, level: float = 0.95,
+                      seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (paired differences)."""
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def compare(reference: Sequence[dict], candidate: Sequence[dict], first_n: int = 4) -> dict:
+    """Agreement of ``candidate`` answers with ``reference`` answers to the same questions.
+
+    Each answer: ``token_ids`` (generated), ``first_top`` (token id -> logprob of the first
+    position), ``f1``. Returns rates, mean first-token KL and the F1 gap with its interval.
+    """
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError("compare needs the same non-empty question list on both sides")
+    pairs = list(zip(reference, candidate, strict=True))
+    gaps = [c["f1"] - r["f1"] for r, c in pairs]
+    low, high = bootstrap_mean_ci(gaps)
+    return {
+        "questions": len(pairs),
+        "first_token": statistics.mean(same_prefix(r["token_ids"], c["token_ids"], 1)
+                                       for r, c in pairs),
+        f"first_{first_n}": statistics.mean(same_prefix(r["token_ids"], c["token_ids"], first_n)
+                                            for r, c in pairs),
+        "whole_answer": statistics.mean(list(r["token_ids"]) == list(c["token_ids"])
+                                        for r, c in pairs),
+        "first_token_kl": statistics.mean(top_kl(r["first_top"], c["first_top"])
+                                          for r, c in pairs),
+        "f1_gap": statistics.mean(gaps),
+        "f1_gap_ci95": [low, high],
+    }
