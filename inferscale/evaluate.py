@@ -36,33 +36,37 @@ TOKEN_PREFIX = "token_id:"
 
 @dataclass(frozen=True)
 class Config:
-    """One way of answering: a memory mode, k, the window of the KV used, facts recomputed."""
+    """One way of answering: a memory mode, k, the window of the KV used, facts recomputed,
+    fact order."""
 
     mode: str
     k: int = 0
     w: int | None = None
     recompute: int = 0
+    order: str = "relevance"
 
     @property
     def name(self) -> str:
+        order = "" if self.order == "relevance" else f" {self.order} order"
         if self.mode == "none":
             return "none"
         if self.mode == "text":
-            return f"text k={self.k} (user w={self.w})"
-        return f"inject k={self.k} w={self.w} m={self.recompute}"
+            return f"text k={self.k} (user w={self.w}){order}"
+        return f"inject k={self.k} w={self.w} m={self.recompute}{order}"
 
     def reference(self) -> Config:
         """The text configuration this one is compared with."""
-        return Config("text", self.k, self.w)
+        return Config("text", self.k, self.w, order=self.order)
 
 
-def configs(ks: list[int], windows: list[int], recomputes: list[int]) -> list[Config]:
+def configs(ks: list[int], windows: list[int], recomputes: list[int],
+            order: str = "relevance") -> list[Config]:
     """none, then per k: text per window (its own user), inject per window and recompute."""
     out = [Config("none")]
     for k in ks:
         for w in windows:
-            out.append(Config("text", k, w))
-            out += [Config("inject", k, w, m) for m in recomputes if m <= k]
+            out.append(Config("text", k, w, order=order))
+            out += [Config("inject", k, w, m, order) for m in recomputes if m <= k]
     return out
 
 
@@ -108,7 +112,8 @@ async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, 
             "stream": True, "logprobs": True, "top_logprobs": TOP_LOGPROBS,
             "return_tokens_as_token_ids": True,
             "messages": [{"role": "user", "content": question}],
-            "inferscale": {"mode": config.mode, "k": config.k, "recompute": config.recompute}}
+            "inferscale": {"mode": config.mode, "k": config.k, "recompute": config.recompute,
+                           "order": config.order}}
     text, token_ids, first_top, ttft = [], [], {}, None
     started = time.perf_counter()
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -188,8 +193,8 @@ def _print(summary: dict) -> None:
 
 def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
         questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
-        recomputes: tuple[int, ...] = (0,), max_tokens: int = 32, max_turns: int | None = None,
-        seed: int = 0) -> dict:
+        recomputes: tuple[int, ...] = (0,), order: str = "relevance", max_tokens: int = 32,
+        max_turns: int | None = None, seed: int = 0) -> dict:
     """Ingest, serve, answer and score; prints a table and writes JSON."""
     samples = json.loads(data.read_text())[:conversations]
     settings = prepare(settings)
@@ -199,13 +204,14 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
                           **{w: users_by_window[w][s["sample_id"]] for w in windows}}}
           for s in samples for q in s["qa"] if q.get("category") in (1, 2, 3, 4) and "answer" in q]
     items = random.Random(seed).sample(qa, min(questions, len(qa)))
-    plan = configs(list(ks), list(windows), list(recomputes))
+    plan = configs(list(ks), list(windows), list(recomputes), order)
     with server_process(settings, out_dir / "server.log") as url:
         records = asyncio.run(_ask_all(url, items, plan, max_tokens))
     summary = summarize(records, plan)
     _print(summary)
     report = {"data": str(data), "questions": len(items), "ks": list(ks), "windows": list(windows),
-              "recomputes": list(recomputes), "max_tokens": max_tokens, "max_turns": max_turns,
-              "encode_dtype": settings.encode_dtype, "summary": summary, "records": records}
+              "recomputes": list(recomputes), "order": order, "max_tokens": max_tokens,
+              "max_turns": max_turns, "encode_dtype": settings.encode_dtype, "summary": summary,
+              "records": records}
     write_report(out_dir, "eval-fidelity", report)
     return report

@@ -5,9 +5,10 @@ rewritten before vLLM sees it: the last user message is embedded, the owner's to
 retrieved, the prompt is composed with the memory layout and sent as token ids, with a signed
 injection plan for the encoded facts (``kv_transfer_params``) and a per-memory ``cache_salt``.
 Requests without an owner pass through untouched. Per request, ``"inferscale": {"mode": ...,
-"k": ..., "recompute": ...}`` in the body (or ``X-InferScale-Memory`` / ``-K`` / ``-Recompute``
-headers) overrides the defaults; modes: ``inject`` (default), ``text`` (same facts prefilled as
-text), ``none``; ``recompute``: the best m facts are prefilled after the injected ones.
+"k": ..., "recompute": ..., "order": ...}`` in the body (or ``X-InferScale-Memory`` / ``-K`` /
+``-Recompute`` / ``-Order`` headers) overrides the defaults; modes: ``inject`` (default), ``text``
+(same facts prefilled as text), ``none``; ``recompute``: the last m facts are prefilled after the
+injected ones; ``order``: ``relevance`` (best last) or ``time`` (stored order).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from inferscale.settings import Settings, get_settings
 log = logging.getLogger("inferscale.frontend")
 
 MODES = ("inject", "text", "none")
+ORDERS = ("relevance", "time")
 MAX_K = 200
 CHAT_PATH = "/v1/chat/completions"
 FORGET_PATH = "/v1/memory/forget"
@@ -97,11 +99,13 @@ class _Runtime:
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """Per-request memory choices: mode, how many facts, how many of the best to recompute."""
+    """Per-request memory choices: mode, how many facts, their order, how many of the last
+    to recompute."""
 
     mode: str
     k: int
     recompute: int = 0
+    order: str = "relevance"
 
 
 def _int_option(name: str, raw: object) -> int:
@@ -126,9 +130,12 @@ def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
     k = _int_option("k", options.get("k", headers.get("x-inferscale-k", settings.top_k)))
     recompute = _int_option("recompute", options.get(
         "recompute", headers.get("x-inferscale-recompute", settings.recompute_tail)))
+    order = str(options.get("order") or headers.get("x-inferscale-order") or settings.fact_order)
+    if order not in ORDERS:
+        raise FrontendError(400, f"unknown fact order {order[:40]!r}; use one of {ORDERS}")
     if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
         raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
-    return owner, MemoryOptions(mode, k, recompute)
+    return owner, MemoryOptions(mode, k, recompute, order)
 
 
 def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
@@ -191,9 +198,9 @@ def _messages(data: dict) -> tuple[list[dict], str]:
 
 async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: list[dict],
                   query: str) -> MemoryPrompt:
-    """Retrieve the owner's facts and lay out the prompt (best fact last, as the paper does).
-    Injected facts come first (external KV is a prefix); the best ``options.recompute`` facts
-    and any fact without usable KV follow as text, in retrieval order."""
+    """Retrieve the owner's facts and lay out the prompt: best fact last, as the paper does, or
+    in stored (conversation) order. Injected facts come first (external KV is a prefix); the
+    last ``options.recompute`` facts and any fact without usable KV follow as text, in order."""
     from inferscale.retrieval import retrieve
 
     mode = options.mode
@@ -202,7 +209,10 @@ async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: li
              await retrieve(rt.engine, rt.embedder, owner, query, options.k))
     retrieval_ms = (time.perf_counter() - started) * 1000
     M.retrieval_seconds.observe(retrieval_ms / 1000)
-    facts.reverse()
+    if options.order == "time":
+        facts.sort(key=lambda f: f.id)
+    else:
+        facts.reverse()
     head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
     injectable = [f for f in head if f.kv_location and f.token_ids
                   and f.model_fingerprint == rt.fingerprint]

@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     # Tail recompute: the best this-many retrieved facts (they sit last, next to the question)
     # are prefilled as text after the injected ones, so they see the injected memory.
     recompute_tail: int = Field(default=0, ge=0)
+    # Order of the retrieved facts in the prompt: "relevance" (best last, as the paper does) or
+    # "time" (the order they were stored in: a user's conversation order).
+    fact_order: Literal["relevance", "time"] = "relevance"
     server_host: str = "127.0.0.1"
     server_port: int = 8000
     server_url: str | None = None

@@ -174,14 +174,16 @@ class Server:
         assert not alive, f"`inferscale serve` left orphans after SIGTERM: {alive}"
 
     def chat(self, user: str | None, question: str, mode: str | None = None, k: int | None = None,
-             max_tokens: int = 24, headers: dict | None = None, **extra):
+             max_tokens: int = 24, headers: dict | None = None, recompute: object = None,
+             order: object = None, **extra):
         import httpx
 
         body = {"model": "inferscale", "messages": [{"role": "user", "content": question}],
                 "max_tokens": max_tokens, "temperature": 0, **extra}
         if user is not None:
             body["user"] = user
-        options = {key: v for key, v in (("mode", mode), ("k", k)) if v is not None}
+        options = {key: v for key, v in (("mode", mode), ("k", k), ("recompute", recompute),
+                                         ("order", order)) if v is not None}
         if options:
             body["inferscale"] = options
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers or {},

@@ -76,6 +76,45 @@ async def test_stored_fact_answers_with_injected_kv(served, smol, cfg, engine, e
     assert len(chunks) > 2 and stream.headers["x-inferscale-mode"] == "inject"
 
 
+async def test_tail_recompute_prefills_the_best_facts_after_the_injected(served, smol, cfg,
+                                                                          engine, embedder):
+    encoder, store = smol
+    turns = sample_turns()
+    user = turns[0].user_id
+    await ingest_and_encode(cfg, engine, embedder, turns, encoder, store)
+    question = "What is the name of Sam's octopus at the aquarium?"
+    injected = served.chat(user, question, k=5)
+    tail = served.chat(user, question, k=5, recompute=2)
+    text = served.chat(user, question, k=5, mode="text")
+    for response in (injected, tail, text):
+        assert response.status_code == 200, response.text
+    h, t = injected.headers, tail.headers
+    # Same facts in the same prompt order (best last); the best two are now prefilled.
+    assert t["x-inferscale-fact-ids"] == h["x-inferscale-fact-ids"] == text.headers[
+        "x-inferscale-fact-ids"]
+    assert t["x-inferscale-facts-injected"] == "3"
+    assert t["x-inferscale-prompt-tokens"] == h["x-inferscale-prompt-tokens"]
+    async with engine.connect() as conn:
+        counts = dict((await conn.execute(select(facts.c.id, facts.c.token_count).where(
+            facts.c.user_id == user))).all())
+    best_two = [int(i) for i in h["x-inferscale-fact-ids"].split(",")[-2:]]
+    assert int(t["x-inferscale-injected-tokens"]) == int(h["x-inferscale-injected-tokens"]) - sum(
+        counts[i] for i in best_two)
+    assert tail.json()["kv_transfer_params"]["injected_tokens"] == int(
+        t["x-inferscale-injected-tokens"])
+    assert "Pickles" in tail.json()["choices"][0]["message"]["content"]
+    # Stored (conversation) order: the same facts, oldest first; the last m still recomputed.
+    timed = served.chat(user, question, k=5, recompute=1, order="time")
+    timed_ids = [int(i) for i in timed.headers["x-inferscale-fact-ids"].split(",")]
+    assert timed_ids == sorted(int(i) for i in h["x-inferscale-fact-ids"].split(","))
+    assert timed.headers["x-inferscale-facts-injected"] == "4"
+    # Recomputing more facts than were retrieved prefills them all; only the preamble is KV.
+    everything = served.chat(user, question, k=3, recompute=50)
+    assert everything.headers["x-inferscale-facts-injected"] == "0"
+    assert int(everything.headers["x-inferscale-injected-tokens"]) == len(
+        encoder.layout.preamble_ids)
+
+
 async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedder):
     encoder, store = smol
     a, b = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("ann", "bob"))
@@ -213,6 +252,12 @@ def test_bad_requests_get_4xx_with_a_message(served):
     assert served.chat("u", "hi", mode="telepathy").status_code == 400
     assert "unknown memory mode" in served.chat("u", "hi", mode="x").json()["error"]["message"]
     assert served.chat("u", "hi", k=-1).status_code == 400
+    for recompute in (-1, "two", 10**30, [1]):
+        refused = served.chat("u", "hi", recompute=recompute)
+        assert refused.status_code == 400 and "recompute" in refused.json()["error"]["message"]
+    for order in ("random", 3, {"by": "time"}):
+        refused = served.chat("u", "hi", order=order)
+        assert refused.status_code == 400 and "order" in refused.json()["error"]["message"]
     forged = httpx.post(f"{served.url}/v1/chat/completions", timeout=30, json={
         "model": "inferscale", "messages": [{"role": "user", "content": "hi"}],
         "kv_transfer_params": {"inferscale": {"segments": []}}})
