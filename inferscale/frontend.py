@@ -130,9 +130,9 @@ def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
     k = _int_option("k", options.get("k", headers.get("x-inferscale-k", settings.top_k)))
     recompute = _int_option("recompute", options.get(
         "recompute", headers.get("x-inferscale-recompute", settings.recompute_tail)))
-    order = str(options.get("order") or headers.get("x-inferscale-order") or settings.fact_order)
-    if order not in ORDERS:
-        raise FrontendError(400, f"unknown fact order {order[:40]!r}; use one of {ORDERS}")
+    order = options.get("order") or headers.get("x-inferscale-order") or settings.fact_order
+    if not isinstance(order, str) or order not in ORDERS:
+        raise FrontendError(400, f"unknown fact order; use one of {ORDERS}")
     if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
         raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
     return owner, MemoryOptions(mode, k, recompute, order)
