@@ -172,7 +172,8 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
 
     evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
                  questions=args.questions, ks=tuple(args.k), windows=tuple(args.w),
-                 recomputes=tuple(args.recompute), order=args.order, max_tokens=args.max_tokens,
+                 recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
+                 max_tokens=args.max_tokens,
                  max_turns=args.max_turns, seed=args.seed)
     return 0
 
@@ -251,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tail recompute: best m facts prefilled after the injected ones")
     p.add_argument("--order", choices=["relevance", "time"], default="relevance",
                    help="fact order in the prompt (text and inject alike)")
+    p.add_argument("--oracle", action="store_true",
+                   help="also inject KV encoded with exactly its serving prefix (numerics only)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-turns", type=int, help="ingest only each conversation's first N turns")
     p.add_argument("--seed", type=int, default=0)

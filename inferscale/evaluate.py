@@ -3,7 +3,8 @@
 Each conversation is ingested through the real pipeline (Kafka -> worker process -> Postgres and
 KV store) once per encoding window w. Then QA items of categories 1-4 are answered through the
 server, streamed, greedy, with logprobs: ``none``; ``text`` (top-k facts prefilled); ``inject``
-(the same facts, same order, as KV) per window and per tail-recompute m. Per configuration: LoCoMo
+(the same facts, same order, as KV) per window and per tail-recompute m, and with ``--oracle``
+KV encoded with exactly its serving prefix (what is left is numerics). Per configuration: LoCoMo
 F1, agreement with text on generated token ids (first token, first 4, whole answer), mean KL of
 the first-token distributions, the F1 gap with a paired bootstrap interval, and TTFT.
 """
@@ -44,6 +45,7 @@ class Config:
     w: int | None = None
     recompute: int = 0
     order: str = "relevance"
+    oracle: bool = False  # KV encoded with exactly its serving prefix (a diagnostic)
 
     @property
     def name(self) -> str:
@@ -52,7 +54,8 @@ class Config:
             return "none"
         if self.mode == "text":
             return f"text k={self.k} (user w={self.w}){order}"
-        return f"inject k={self.k} w={self.w} m={self.recompute}{order}"
+        window = "oracle" if self.oracle else self.w
+        return f"inject k={self.k} w={window} m={self.recompute}{order}"
 
     def reference(self) -> Config:
         """The text configuration this one is compared with."""
@@ -60,12 +63,15 @@ class Config:
 
 
 def configs(ks: list[int], windows: list[int], recomputes: list[int],
-            order: str = "relevance") -> list[Config]:
-    """none, then per k: text per window (its own user), inject per window and recompute."""
+            order: str = "relevance", oracle: bool = False) -> list[Config]:
+    """none, then per k: text per window (its own user), inject per window and recompute, and
+    the oracle window after the first window's text."""
     out = [Config("none")]
     for k in ks:
         for w in windows:
             out.append(Config("text", k, w, order=order))
+            if oracle and k and w == windows[0]:
+                out.append(Config("inject", k, w, 0, order, oracle=True))
             out += [Config("inject", k, w, m, order) for m in recomputes if m <= k]
     return out
 
@@ -136,24 +142,61 @@ async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, 
             "ttft_s": ttft, "fact_ids": fact_ids}
 
 
+class _Oracle:
+    """Oracle-window owners for the questions (loads the encoder once)."""
+
+    def __init__(self, settings: Settings):
+        from inferscale.db.engine import create_engine
+        from inferscale.encoder import load_encoder
+        from inferscale.fingerprint import model_fingerprint
+        from inferscale.kvstore import KVStore
+
+        self.encoder = load_encoder(settings)
+        self.store = KVStore(settings.kv_path, model_fingerprint(settings.model_path), 0)
+        self.engine = create_engine(settings.database_url)
+        self.tag = uuid.uuid4().hex[:6]
+
+    async def answer(self, client: httpx.AsyncClient, url: str, question: str, config: Config,
+                     text: dict, max_tokens: int) -> dict:
+        from inferscale.oracle import oracle_owner
+
+        fact_ids = [int(i) for i in text["fact_ids"].split(",") if i]
+        owner = f"oracle-{self.tag}-{uuid.uuid4().hex[:8]}"
+        originals = await oracle_owner(self.engine, self.encoder, self.store, fact_ids, owner)
+        got = await answer(client, url, owner, question, config, max_tokens)
+        got["fact_ids"] = ",".join(str(originals.get(int(i), -1))
+                                   for i in got["fact_ids"].split(",") if i)
+        return got
+
+
 async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: int,
-                   warmup: int = 2) -> list[dict]:
+                   settings: Settings, warmup: int = 2) -> list[dict]:
     records = []
+    oracle = _Oracle(settings) if any(c.oracle for c in plan) else None
     async with httpx.AsyncClient(timeout=600) as client:
         for item in items[:warmup]:  # compile and page-in warm-up, not timed
             for config in plan:
-                await answer(client, url, item["users"][config.w or 0], item["question"],
-                             config, 2)
+                if not config.oracle:
+                    await answer(client, url, item["users"][config.w or 0], item["question"],
+                                 config, 2)
         for n, item in enumerate(items, 1):
+            answers: dict[str, dict] = {}
             for config in plan:
-                got = await answer(client, url, item["users"][config.w or 0], item["question"],
-                                   config, max_tokens)
+                if config.oracle:
+                    got = await oracle.answer(client, url, item["question"], config,
+                                              answers[config.reference().name], max_tokens)
+                else:
+                    got = await answer(client, url, item["users"][config.w or 0],
+                                       item["question"], config, max_tokens)
+                answers[config.name] = got
                 records.append({"question": item["question"], "answer": item["answer"],
                                 "category": item["category"], "config": config.name,
                                 "f1": locomo_f1(got["prediction"], item["answer"],
                                                 item["category"]),
                                 "em": exact_match(got["prediction"], item["answer"]), **got})
             print(f"  answered {n}/{len(items)}", flush=True)
+    if oracle:
+        await oracle.engine.dispose()
     return records
 
 
@@ -193,8 +236,8 @@ def _print(summary: dict) -> None:
 
 def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
         questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
-        recomputes: tuple[int, ...] = (0,), order: str = "relevance", max_tokens: int = 32,
-        max_turns: int | None = None, seed: int = 0) -> dict:
+        recomputes: tuple[int, ...] = (0,), order: str = "relevance", oracle: bool = False,
+        max_tokens: int = 32, max_turns: int | None = None, seed: int = 0) -> dict:
     """Ingest, serve, answer and score; prints a table and writes JSON."""
     samples = json.loads(data.read_text())[:conversations]
     settings = prepare(settings)
@@ -204,9 +247,9 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
                           **{w: users_by_window[w][s["sample_id"]] for w in windows}}}
           for s in samples for q in s["qa"] if q.get("category") in (1, 2, 3, 4) and "answer" in q]
     items = random.Random(seed).sample(qa, min(questions, len(qa)))
-    plan = configs(list(ks), list(windows), list(recomputes), order)
+    plan = configs(list(ks), list(windows), list(recomputes), order, oracle)
     with server_process(settings, out_dir / "server.log") as url:
-        records = asyncio.run(_ask_all(url, items, plan, max_tokens))
+        records = asyncio.run(_ask_all(url, items, plan, max_tokens, settings))
     summary = summarize(records, plan)
     _print(summary)
     report = {"data": str(data), "questions": len(items), "ks": list(ks), "windows": list(windows),

@@ -87,6 +87,9 @@ def test_plan_and_summary():
     names = [c.name for c in plan]
     assert names[0] == "none" and "inject k=5 w=5 m=10" not in names
     assert names.index("text k=20 (user w=5)") < names.index("inject k=20 w=5 m=3")
+    oracle = [c.name for c in configs([0, 20], [5], [0], oracle=True)]
+    assert oracle == ["none", "text k=0 (user w=5)", "inject k=0 w=5 m=0", "text k=20 (user w=5)",
+                      "inject k=20 w=oracle m=0", "inject k=20 w=5 m=0"]
     plan = configs([5], [5], [0])
     records = []
     for config, ids, ttft in ((plan[0], [3], 0.1), (plan[1], [7, 1], 2.0), (plan[2], [7, 2], 0.5)):
