@@ -173,8 +173,7 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
     evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
                  questions=args.questions, ks=tuple(args.k), windows=tuple(args.w),
                  recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
-                 max_tokens=args.max_tokens,
-                 max_turns=args.max_turns, seed=args.seed)
+                 max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed)
     return 0
 
 

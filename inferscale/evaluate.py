@@ -15,13 +15,13 @@ import asyncio
 import json
 import random
 import statistics
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from inferscale.bench.client import stream_chat
 from inferscale.bench.common import print_table, write_report
 from inferscale.db.engine import create_engine
 from inferscale.fidelity import compare
@@ -32,7 +32,6 @@ from inferscale.sources import locomo_turns
 from inferscale.stack import prepare, server_process, wait_encoded, worker_process
 
 TOP_LOGPROBS = 20
-TOKEN_PREFIX = "token_id:"
 
 
 @dataclass(frozen=True)
@@ -106,47 +105,21 @@ def _ingest(settings: Settings, samples: list[dict], window: int, out_dir: Path,
     return users
 
 
-def _token_id(token: str) -> int:
-    return int(token.removeprefix(TOKEN_PREFIX))
-
-
 async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, config: Config,
                  max_tokens: int) -> dict:
-    """One streamed greedy answer: text, generated token ids, first-position top logprobs,
-    TTFT (to the first generated token) and the fact ids the server used, in prompt order."""
-    body = {"model": "inferscale", "user": user, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "logprobs": True, "top_logprobs": TOP_LOGPROBS,
-            "return_tokens_as_token_ids": True,
-            "messages": [{"role": "user", "content": question}],
-            "inferscale": {"mode": config.mode, "k": config.k, "recompute": config.recompute,
-                           "order": config.order}}
-    text, token_ids, first_top, ttft = [], [], {}, None
-    started = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{config.name}: HTTP {response.status_code}: "
-                               f"{(await response.aread())[:300]!r}")
-        fact_ids = response.headers.get("x-inferscale-fact-ids", "")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
-            for item in (choice.get("logprobs") or {}).get("content") or []:
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                    first_top = {_token_id(t["token"]): t["logprob"]
-                                 for t in item["top_logprobs"]}
-                token_ids.append(_token_id(item["token"]))
-            text.append((choice.get("delta") or {}).get("content") or "")
-    return {"prediction": "".join(text), "token_ids": token_ids, "first_top": first_top,
-            "ttft_s": ttft, "fact_ids": fact_ids}
+    """One streamed greedy answer (fresh cache salt): text, generated token ids, first-position
+    top logprobs, TTFT and the fact ids the server used, in prompt order."""
+    got = await stream_chat(client, url, user, question, config.mode, config.k, max_tokens,
+                            options={"recompute": config.recompute, "order": config.order},
+                            top_logprobs=TOP_LOGPROBS)
+    return {"prediction": got.text, "token_ids": got.token_ids, "first_top": got.first_top,
+            "ttft_s": got.ttft, "fact_ids": got.headers.get("x-inferscale-fact-ids", "")}
 
 
 class _Oracle:
     """Oracle-window owners for the questions (loads the encoder once)."""
 
     def __init__(self, settings: Settings):
-        from inferscale.db.engine import create_engine
         from inferscale.encoder import load_encoder
         from inferscale.fingerprint import model_fingerprint
         from inferscale.kvstore import KVStore

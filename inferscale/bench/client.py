@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -18,33 +18,53 @@ class ChatResult:
     total: float
     text: str
     headers: dict[str, str]
+    token_ids: list[int] = field(default_factory=list)  # generated ids (with top_logprobs)
+    first_top: dict[int, float] = field(default_factory=dict)  # first position: id -> logprob
+
+
+def _token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, user: str, question: str, mode: str,
-                      k: int, max_tokens: int = 16, fresh: bool = True) -> ChatResult:
-    """Send one memory chat request with ``stream: true``; TTFT = first content token."""
+                      k: int, max_tokens: int = 16, fresh: bool = True,
+                      options: dict | None = None, top_logprobs: int = 0) -> ChatResult:
+    """Send one memory chat request with ``stream: true``; TTFT = first generated token.
+    ``options`` adds memory options (recompute, order); ``top_logprobs`` > 0 also returns the
+    generated token ids and the first position's top logprobs."""
     body = {"model": "inferscale", "user": user, "stream": True, "max_tokens": max_tokens,
             "temperature": 0, "messages": [{"role": "user", "content": question}],
-            "inferscale": {"mode": mode, "k": k}}
+            "inferscale": {"mode": mode, "k": k, **(options or {})}}
+    if top_logprobs:
+        body.update(logprobs=True, top_logprobs=top_logprobs, return_tokens_as_token_ids=True)
     if fresh:  # no reuse of earlier requests' prefix cache: every request prefills (or injects)
         body["cache_salt"] = uuid.uuid4().hex
     started = time.perf_counter()
     ttft = None
     parts: list[str] = []
+    result = ChatResult(ttft=0.0, total=0.0, text="", headers={})
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()}")
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-            if delta and ttft is None:
+            choice = json.loads(line[6:])["choices"][0]
+            delta = choice["delta"].get("content") or ""
+            tokens = (choice.get("logprobs") or {}).get("content") or []
+            if (delta or tokens) and ttft is None:
                 ttft = time.perf_counter() - started
+            for item in tokens:
+                if not result.token_ids:
+                    result.first_top = {_token_id(t["token"]): t["logprob"]
+                                        for t in item["top_logprobs"]}
+                result.token_ids.append(_token_id(item["token"]))
             parts.append(delta)
         headers = {k: v for k, v in response.headers.items() if k.startswith("x-inferscale")}
-    total = time.perf_counter() - started
-    return ChatResult(ttft=ttft if ttft is not None else total, total=total,
-                      text="".join(parts), headers=headers)
+    result.total = time.perf_counter() - started
+    result.ttft = ttft if ttft is not None else result.total
+    result.text, result.headers = "".join(parts), headers
+    return result
 
 
 async def engine_ttft_totals(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
