@@ -94,10 +94,12 @@ def test_encode_dtype_setting_picks_the_compute_dtype(tiny_models):
     torch.testing.assert_close(a.v.float(), b.v.float(), rtol=0.1, atol=0.1)
 
 
-def test_encode_dtype_setting_refuses_unknown_names():
+@pytest.mark.parametrize("bad", [{"encode_dtype": "float8"}, {"recompute_tail": -1},
+                                 {"fact_order": "random"}, {"recompute_tail": "two"}])
+def test_fidelity_settings_refuse_bad_values(bad):
     from pydantic import ValidationError
 
     from inferscale.settings import Settings
 
     with pytest.raises(ValidationError):
-        Settings(encode_dtype="float8")
+        Settings(**bad)
