@@ -1,9 +1,10 @@
 """`inferscale eval fidelity`: does injected memory answer like the same memory prefilled?
 
 Each conversation is ingested through the real pipeline (Kafka -> worker process -> Postgres and
-KV store) once per encoding window w. Then QA items of categories 1-4 are answered through the
+KV store) once per encoding. Then QA items of categories 1-4 are answered through the
 server, streamed, greedy, with logprobs: ``none``; ``text`` (top-k facts prefilled); ``inject``
-(the same facts, same order, as KV) per window and per tail-recompute m, and with ``--oracle``
+(the same facts, same order, as KV) per encoding (context ``turns``: the w preceding turns, or
+``neighbours``: the w most similar earlier facts) and per tail-recompute m, and with ``--oracle``
 KV encoded with exactly its serving prefix (what is left is numerics). Per configuration: LoCoMo
 F1, agreement with text on generated token ids (first token, first 4, whole answer), mean KL of
 the first-token distributions, the F1 gap with a paired bootstrap interval, and TTFT.
@@ -36,8 +37,8 @@ TOP_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class Config:
-    """One way of answering: a memory mode, k, the window of the KV used, facts recomputed,
-    fact order."""
+    """One way of answering: a memory mode, k, the encoding (context, window) of the user's KV,
+    facts recomputed, fact order."""
 
     mode: str
     k: int = 0
@@ -45,6 +46,7 @@ class Config:
     recompute: int = 0
     order: str = "relevance"
     oracle: bool = False  # KV encoded with exactly its serving prefix (a diagnostic)
+    context: str = "turns"
 
     @property
     def name(self) -> str:
@@ -52,37 +54,48 @@ class Config:
         if self.mode == "none":
             return "none"
         if self.mode == "text":
-            return f"text k={self.k} (user w={self.w}){order}"
-        window = "oracle" if self.oracle else self.w
+            return f"text k={self.k} (user w={self.window}){order}"
+        window = "oracle" if self.oracle else self.window
         return f"inject k={self.k} w={window} m={self.recompute}{order}"
+
+    @property
+    def encoding(self) -> tuple[str, int | None]:
+        """Whose KV this configuration reads: (context, window)."""
+        return self.context, self.w
+
+    @property
+    def window(self) -> str:
+        return f"{self.w}" if self.context == "turns" else f"{self.w} {self.context}"
 
     def reference(self) -> Config:
         """The text configuration this one is compared with."""
-        return Config("text", self.k, self.w, order=self.order)
+        return Config("text", self.k, self.w, order=self.order, context=self.context)
 
 
-def configs(ks: list[int], windows: list[int], recomputes: list[int],
+def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[int],
             order: str = "relevance", oracle: bool = False) -> list[Config]:
-    """none, then per k: text per window (its own user), inject per window and recompute, and
-    the oracle window after the first window's text."""
+    """none, then per k: text per encoding (its own user), inject per encoding and recompute,
+    and the oracle window after the first encoding's text."""
     out = [Config("none")]
     for k in ks:
-        for w in windows:
-            out.append(Config("text", k, w, order=order))
-            if oracle and k and w == windows[0]:
-                out.append(Config("inject", k, w, 0, order, oracle=True))
-            out += [Config("inject", k, w, m, order) for m in recomputes if m <= k]
+        for context, w in encodings:
+            out.append(Config("text", k, w, order=order, context=context))
+            if oracle and k and (context, w) == encodings[0]:
+                out.append(Config("inject", k, w, 0, order, oracle=True, context=context))
+            out += [Config("inject", k, w, m, order, context=context)
+                    for m in recomputes if m <= k]
     return out
 
 
-def _ingest(settings: Settings, samples: list[dict], window: int, out_dir: Path,
+def _ingest(settings: Settings, samples: list[dict], encoding: tuple[str, int], out_dir: Path,
             max_turns: int | None) -> dict:
-    """Ingest every sample under window-specific user ids; returns sample_id -> user id."""
+    """Ingest every sample under encoding-specific user ids; returns sample_id -> user id."""
+    context, window = encoding
     tag = uuid.uuid4().hex[:6]
     run = settings.model_copy(update={
-        "window": window, "turns_topic": f"eval-{tag}", "dead_letter_topic": f"eval-{tag}.dlq",
-        "consumer_group": f"eval-{tag}"})
-    users = {s["sample_id"]: f"{s['sample_id']}-w{window}-{tag}" for s in samples}
+        "window": window, "encode_context": context, "turns_topic": f"eval-{tag}",
+        "dead_letter_topic": f"eval-{tag}.dlq", "consumer_group": f"eval-{tag}"})
+    users = {s["sample_id"]: f"{s['sample_id']}-{context}{window}-{tag}" for s in samples}
     events, taken = [], dict.fromkeys(users, 0)
     for t in locomo_turns(samples):
         if max_turns is None or taken[t.user_id] < max_turns:
@@ -100,7 +113,7 @@ def _ingest(settings: Settings, samples: list[dict], window: int, out_dir: Path,
         finally:
             await engine.dispose()
 
-    with worker_process(run, out_dir / f"worker-w{window}.log"):
+    with worker_process(run, out_dir / f"worker-{context}{window}.log"):
         asyncio.run(go())
     return users
 
@@ -150,8 +163,8 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
         for item in items[:warmup]:  # compile and page-in warm-up, not timed
             for config in plan:
                 if not config.oracle:
-                    await answer(client, url, item["users"][config.w or 0], item["question"],
-                                 config, 2)
+                    await answer(client, url, item["users"][config.encoding],
+                                 item["question"], config, 2)
         for n, item in enumerate(items, 1):
             answers: dict[str, dict] = {}
             for config in plan:
@@ -159,7 +172,7 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
                     got = await oracle.answer(client, url, item["question"], config,
                                               answers[config.reference().name], max_tokens)
                 else:
-                    got = await answer(client, url, item["users"][config.w or 0],
+                    got = await answer(client, url, item["users"][config.encoding],
                                        item["question"], config, max_tokens)
                 answers[config.name] = got
                 records.append({"question": item["question"], "answer": item["answer"],
@@ -209,24 +222,27 @@ def _print(summary: dict) -> None:
 
 def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
         questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
-        recomputes: tuple[int, ...] = (0,), order: str = "relevance", oracle: bool = False,
+        contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int, ...] = (0,),
+        order: str = "relevance", oracle: bool = False,
         max_tokens: int = 32, max_turns: int | None = None, seed: int = 0) -> dict:
     """Ingest, serve, answer and score; prints a table and writes JSON."""
     samples = json.loads(data.read_text())[:conversations]
     settings = prepare(settings)
     out_dir.mkdir(parents=True, exist_ok=True)
-    users_by_window = {w: _ingest(settings, samples, w, out_dir, max_turns) for w in windows}
-    qa = [{**q, "users": {0: users_by_window[windows[0]][s["sample_id"]],
-                          **{w: users_by_window[w][s["sample_id"]] for w in windows}}}
+    encodings = [(c, w) for c in contexts for w in windows]
+    users = {e: _ingest(settings, samples, e, out_dir, max_turns) for e in encodings}
+    qa = [{**q, "users": {("turns", None): users[encodings[0]][s["sample_id"]],
+                          **{e: users[e][s["sample_id"]] for e in encodings}}}
           for s in samples for q in s["qa"] if q.get("category") in (1, 2, 3, 4) and "answer" in q]
     items = random.Random(seed).sample(qa, min(questions, len(qa)))
-    plan = configs(list(ks), list(windows), list(recomputes), order, oracle)
+    plan = configs(list(ks), encodings, list(recomputes), order, oracle)
     with server_process(settings, out_dir / "server.log") as url:
         records = asyncio.run(_ask_all(url, items, plan, max_tokens, settings))
     summary = summarize(records, plan)
     _print(summary)
     report = {"data": str(data), "questions": len(items), "ks": list(ks), "windows": list(windows),
-              "recomputes": list(recomputes), "order": order, "max_tokens": max_tokens,
+              "contexts": list(contexts), "recomputes": list(recomputes), "order": order,
+              "max_tokens": max_tokens,
               "max_turns": max_turns, "encode_dtype": settings.encode_dtype, "summary": summary,
               "records": records}
     write_report(out_dir, "eval-fidelity", report)

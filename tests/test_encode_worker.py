@@ -43,6 +43,11 @@ async def _ingest(settings, engine, embedder, turns):
     await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(drain=True)
 
 
+def _cosine_distance(a, b) -> float:
+    a, b = torch.tensor(list(a)), torch.tensor(list(b))
+    return 1.0 - float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
 async def _user_facts(engine, user):
     async with engine.connect() as conn:
         return (await conn.execute(select(facts).where(facts.c.user_id == user)
@@ -60,6 +65,15 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
         rows = await _user_facts(engine, user)
         fifth = claimed[rows[4].id]
         assert fifth.context == [r.text for r in rows[1:4]]
+        await conn.rollback()
+    async with engine.begin() as conn:  # neighbours: the 3 most similar earlier, nearest last
+        claimed = {f.id: f for f in await claim_pending_facts(conn, 1000, 3, 3, 60, 3,
+                                                               "neighbours")}
+        assert claimed[rows[0].id].context == []
+        last = rows[-1]
+        earlier = sorted(rows[:-1], key=lambda r: (_cosine_distance(r.embedding, last.embedding),
+                                                    r.id))
+        assert claimed[last.id].context == [r.text for r in reversed(earlier[:3])]
         await conn.rollback()
     store = KVStore(tmp_path / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=1 << 30)
     stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)

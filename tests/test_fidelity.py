@@ -83,14 +83,20 @@ def test_compare_counts_agreement_and_gap():
 
 
 def test_plan_and_summary():
-    plan = configs([5, 20], [5], [0, 3, 10])
+    plan = configs([5, 20], [("turns", 5)], [0, 3, 10])
     names = [c.name for c in plan]
     assert names[0] == "none" and "inject k=5 w=5 m=10" not in names
     assert names.index("text k=20 (user w=5)") < names.index("inject k=20 w=5 m=3")
-    oracle = [c.name for c in configs([0, 20], [5], [0], oracle=True)]
+    both = configs([20], [("turns", 5), ("neighbours", 5)], [0])
+    assert [(c.name, c.encoding) for c in both[1:]] == [
+        ("text k=20 (user w=5)", ("turns", 5)), ("inject k=20 w=5 m=0", ("turns", 5)),
+        ("text k=20 (user w=5 neighbours)", ("neighbours", 5)),
+        ("inject k=20 w=5 neighbours m=0", ("neighbours", 5))]
+    assert both[4].reference() == both[3]
+    oracle = [c.name for c in configs([0, 20], [("turns", 5)], [0], oracle=True)]
     assert oracle == ["none", "text k=0 (user w=5)", "inject k=0 w=5 m=0", "text k=20 (user w=5)",
                       "inject k=20 w=oracle m=0", "inject k=20 w=5 m=0"]
-    plan = configs([5], [5], [0])
+    plan = configs([5], [("turns", 5)], [0])
     records = []
     for config, ids, ttft in ((plan[0], [3], 0.1), (plan[1], [7, 1], 2.0), (plan[2], [7, 2], 0.5)):
         records.append({"config": config.name, "f1": 0.5, "em": False, "token_ids": ids,

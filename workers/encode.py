@@ -140,7 +140,7 @@ class EncodeWorker:
             quarantined = await quarantine_crashed_facts(conn, s.encode_max_crashes)
             pending = await claim_pending_facts(conn, s.encode_batch_size, s.window,
                                                 s.encode_max_attempts, s.encode_lease_s,
-                                                s.encode_max_crashes)
+                                                s.encode_max_crashes, s.encode_context)
         if quarantined:
             log.error("quarantined facts %s: workers died %d times while encoding each (they "
                       "are served as text)", quarantined, s.encode_max_crashes)

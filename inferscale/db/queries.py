@@ -175,7 +175,23 @@ class PendingFact:
 # A fact is claimable while it waits for KV, has attempts (or storage retries) left, is past its
 # backoff and its lease, and has not killed max_crashes workers. ``:suspect`` selects the facts
 # whose last claimer died (claims ahead of recorded outcomes), or the others.
-_CLAIM = text("""
+# A claimed fact's encoding context, most adjacent first (the caller reverses it): the
+# ``window`` facts that precede it in its conversation, or the ``window`` earlier facts of its
+# user most similar to it (what tends to precede it in a served prompt, best last).
+_CONTEXTS = {
+    "turns": """
+               SELECT c.text FROM facts c
+               WHERE c.user_id = f.user_id AND c.conversation_id = f.conversation_id
+                 AND c.deleted_at IS NULL AND (c.ts, c.id) < (f.ts, f.id)
+               ORDER BY c.ts DESC, c.id DESC LIMIT :window""",
+    "neighbours": """
+               SELECT c.text FROM facts c
+               WHERE c.user_id = f.user_id AND c.deleted_at IS NULL
+                 AND (c.ts, c.id) < (f.ts, f.id)
+               ORDER BY c.embedding <=> f.embedding, c.id LIMIT :window""",
+}
+
+_CLAIM = """
     WITH claimed AS (
         UPDATE facts SET encode_claims = encode_claims + 1,
                          claimed_until = now() + make_interval(secs => :lease_s)
@@ -191,23 +207,23 @@ _CLAIM = text("""
             ORDER BY encode_attempts, id
             LIMIT :limit
             FOR UPDATE SKIP LOCKED))
-        RETURNING id, user_id, conversation_id, ts, text, encode_attempts, encode_claims
+        RETURNING id, user_id, conversation_id, ts, text, embedding, encode_attempts,
+                  encode_claims
     )
-    SELECT f.id, f.text, f.encode_claims,
-           COALESCE(ARRAY(
-               SELECT c.text FROM facts c
-               WHERE c.user_id = f.user_id AND c.conversation_id = f.conversation_id
-                 AND c.deleted_at IS NULL AND (c.ts, c.id) < (f.ts, f.id)
-               ORDER BY c.ts DESC, c.id DESC LIMIT :window), '{}') AS context
+    SELECT f.id, f.text, f.encode_claims, COALESCE(ARRAY({context}), '{{}}') AS context
     FROM claimed f
     ORDER BY f.encode_attempts, f.id
-""")
+"""
+_CLAIMS = {name: text(_CLAIM.format(context=sql)) for name, sql in _CONTEXTS.items()}
 
 
 async def claim_pending_facts(conn: AsyncConnection, limit: int, window: int, max_attempts: int,
-                              lease_s: float, max_crashes: int) -> list[PendingFact]:
+                              lease_s: float, max_crashes: int, context: str = "turns"
+                              ) -> list[PendingFact]:
     """Lease up to ``limit`` pending facts for ``lease_s`` seconds and count the claims, with
-    their context (the ``window`` preceding facts of the same conversation, oldest first).
+    their encoding context, most adjacent last: the ``window`` preceding facts of the same
+    conversation (``turns``) or the ``window`` earlier facts of the user most similar to it
+    (``neighbours``).
 
     Commit at once: the lease, not a lock held while encoding, keeps other workers off the
     facts, so a worker that dies while encoding leaves its claims counted. A fact whose last
@@ -216,9 +232,10 @@ async def claim_pending_facts(conn: AsyncConnection, limit: int, window: int, ma
     params = {"limit": limit, "window": window, "max_attempts": max_attempts,
               "storage_failure": f"{STORAGE_FAILURE}:%", "lease_s": lease_s,
               "max_crashes": max_crashes, "quarantined": f"{QUARANTINED}:%"}
-    rows = (await conn.execute(_CLAIM, {**params, "suspect": True, "limit": 1})).all()
+    claim = _CLAIMS[context]
+    rows = (await conn.execute(claim, {**params, "suspect": True, "limit": 1})).all()
     if not rows:
-        rows = (await conn.execute(_CLAIM, {**params, "suspect": False})).all()
+        rows = (await conn.execute(claim, {**params, "suspect": False})).all()
     return [PendingFact(id=r.id, text=r.text, context=list(reversed(r.context)),
                         claim=r.encode_claims) for r in rows]
 
