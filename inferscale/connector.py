@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -137,6 +138,10 @@ class InferScaleConnector(KVConnectorBase_V1):
     @_never_raises(_claim_nothing)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
+        with KV_METRICS.stage_seconds.labels("plan_check").time():
+            return self._match(request, num_computed_tokens)
+
+    def _match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         plan = self._plan_for(request)
         if plan is None:
             return 0, False
@@ -217,12 +222,17 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def _load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
         keys, values, slots = [], [], []
+        gather_s = rope_s = 0.0
         for spec in loads:
             try:
+                started = time.perf_counter()
                 k, v = self._gather(spec)
+                gathered = time.perf_counter()
                 positions = torch.arange(spec.start, spec.end, device=k.device)
                 rotated, slot_mapping = self._rope.rotate(k, positions), self._slots(spec,
                                                                                      positions)
+                gather_s, rope_s = gather_s + gathered - started, (
+                    rope_s + time.perf_counter() - gathered)
             except Exception as exc:  # noqa: BLE001 - any bad blob or spec: recompute it
                 log.warning("request %s: falling back to prefill: %s", spec.request_id, exc)
                 KV_METRICS.load_failures.labels(getattr(exc, "reason", "mismatch")).inc()
@@ -233,12 +243,16 @@ class InferScaleConnector(KVConnectorBase_V1):
             slots.append(slot_mapping)
         if not keys:
             return
+        started = time.perf_counter()
         k, v = torch.cat(keys, dim=1), torch.cat(values, dim=1)
         slot_mapping = torch.cat(slots)
         KV_METRICS.injected_tokens.inc(len(slot_mapping))
         for index, layer in self._attention_layers(forward_context):
             layer.impl.do_kv_cache_update(layer, k[index], v[index], layer.kv_cache,
                                           slot_mapping)
+        KV_METRICS.stage_seconds.labels("gather").observe(gather_s)
+        KV_METRICS.stage_seconds.labels("rope").observe(rope_s)
+        KV_METRICS.stage_seconds.labels("cache_write").observe(time.perf_counter() - started)
 
     def _gather(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of positions [start, end) from the plan's segments, [layers, tokens, heads, dim]."""

@@ -24,6 +24,7 @@ from urllib.parse import unquote_to_bytes
 
 from inferscale.layout import PromptPlan
 from inferscale.metrics import FRONTEND_METRICS as M
+from inferscale.metrics import KV_METRICS
 from inferscale.plan import PLAN_KEY, Plan, Segment, sign
 from inferscale.settings import Settings, get_settings
 
@@ -220,6 +221,7 @@ async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: li
     for f in head:
         if f not in injectable:
             M.fallbacks.labels("other_model" if f.kv_location else "not_encoded").inc()
+    composing = time.perf_counter()
     text_segments, prompt = await asyncio.get_running_loop().run_in_executor(
         None, _layout, rt, [f.text for f in as_text], [list(f.token_ids) for f in injectable],
         messages)
@@ -230,6 +232,7 @@ async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: li
                           for f, (start, _) in zip(injectable, prompt.fact_spans, strict=False)]
         plan = Plan(rt.fingerprint, plan_segments)
     injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
+    KV_METRICS.stage_seconds.labels("compose").observe(time.perf_counter() - composing)
     fact_ids = [f.id for f in injectable + as_text]
     return MemoryPrompt(prompt.token_ids, fact_ids, plan, len(injectable), len(as_text), injected,
                         sum(map(len, text_segments)), retrieval_ms)
@@ -437,6 +440,7 @@ class MemoryFrontend:
         messages, query = _messages(data)
         rt = await self._rt()
         prompt = await compose(rt, owner, options, messages, query)
+        started = time.perf_counter()
         params: dict = {"prompt_token_ids": prompt.token_ids}
         checksums = None
         if prompt.plan is not None:
@@ -453,7 +457,9 @@ class MemoryFrontend:
         M.facts.labels("text").inc(prompt.facts_text)
         M.injected_tokens.inc(prompt.injected_tokens)
         M.prefilled_memory_tokens.inc(prompt.text_memory_tokens)
-        return json.dumps(data).encode(), {
+        body = json.dumps(data).encode()
+        KV_METRICS.stage_seconds.labels("sign").observe(time.perf_counter() - started)
+        return body, {
             "x-inferscale-mode": options.mode,
             "x-inferscale-facts": str(prompt.facts_injected + prompt.facts_text),
             "x-inferscale-facts-injected": str(prompt.facts_injected),

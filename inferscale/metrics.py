@@ -16,6 +16,7 @@ class _KVMetrics:
     load_failures: Counter
     injected_tokens: Counter
     inject_seconds: Histogram
+    stage_seconds: Histogram
     hook_errors: Counter
 
 
@@ -29,6 +30,10 @@ KV_METRICS = _KVMetrics(
     injected_tokens=Counter("inferscale_kv_injected_tokens", "Tokens written into vLLM's cache"),
     inject_seconds=Histogram("inferscale_kv_inject_seconds", "Connector load time per step",
                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1)),
+    stage_seconds=Histogram(
+        "inferscale_stage_seconds", "Host time per request stage: compose, sign (front end), "
+        "plan_check (scheduler), gather, rope, cache_write (worker)", ["stage"],
+        buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25)),
     hook_errors=Counter("inferscale_connector_hook_errors",
                         "Unexpected errors caught in connector hooks (answered by a fallback)",
                         ["hook"]),

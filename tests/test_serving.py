@@ -46,10 +46,15 @@ async def test_stored_fact_answers_with_injected_kv(served, smol, cfg, engine, e
     turns = sample_turns()
     user = turns[0].user_id
     await ingest_and_encode(cfg, engine, embedder, turns, encoder, store)
+    stages = [f'inferscale_stage_seconds_count{{stage="{stage}"}}' for stage in (
+        "compose", "sign", "plan_check", "gather", "rope", "cache_write")]
+    before = [_metric(served, stage) for stage in stages]
     response = served.chat(user, "What is the name of Sam's octopus at the aquarium?", k=5)
     assert response.status_code == 200, response.text
     answer = response.json()["choices"][0]["message"]["content"]
     assert "Pickles" in answer
+    # Every stage of the request was timed (the bench's per-stage breakdown reads these).
+    assert all(_metric(served, stage) > was for stage, was in zip(stages, before, strict=True))
     h = response.headers
     assert h["x-inferscale-mode"] == "inject" and h["x-inferscale-facts-injected"] == "5"
     injected, prefilled = int(h["x-inferscale-injected-tokens"]), int(

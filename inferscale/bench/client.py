@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -28,17 +29,19 @@ def _token_id(token: str) -> int:
 
 async def stream_chat(client: httpx.AsyncClient, url: str, user: str, question: str, mode: str,
                       k: int, max_tokens: int = 16, fresh: bool = True,
-                      options: dict | None = None, top_logprobs: int = 0) -> ChatResult:
+                      options: dict | None = None, top_logprobs: int = 0,
+                      salt: str | None = None) -> ChatResult:
     """Send one memory chat request with ``stream: true``; TTFT = first generated token.
     ``options`` adds memory options (recompute, order); ``top_logprobs`` > 0 also returns the
-    generated token ids and the first position's top logprobs."""
+    generated token ids and the first position's top logprobs; ``salt`` shares prefix-cache
+    blocks with the requests that carry the same one."""
     body = {"model": "inferscale", "user": user, "stream": True, "max_tokens": max_tokens,
             "temperature": 0, "messages": [{"role": "user", "content": question}],
             "inferscale": {"mode": mode, "k": k, **(options or {})}}
     if top_logprobs:
         body.update(logprobs=True, top_logprobs=top_logprobs, return_tokens_as_token_ids=True)
-    if fresh:  # no reuse of earlier requests' prefix cache: every request prefills (or injects)
-        body["cache_salt"] = uuid.uuid4().hex
+    if salt is not None or fresh:  # fresh: no reuse of earlier requests' prefix cache
+        body["cache_salt"] = salt or uuid.uuid4().hex
     started = time.perf_counter()
     ttft = None
     parts: list[str] = []
@@ -67,13 +70,18 @@ async def stream_chat(client: httpx.AsyncClient, url: str, user: str, question: 
     return result
 
 
-async def engine_ttft_totals(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
-    """(sum, count) of vLLM's own time-to-first-token histogram."""
-    text = (await client.get(f"{url}/metrics")).text
-    total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:time_to_first_token_seconds_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:time_to_first_token_seconds_count"):
-            count += float(line.rsplit(" ", 1)[1])
-    return total, count
+def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus exposition text as samples keyed by (name, sorted labels)."""
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> dict[tuple[str, tuple], float]:
+    """The server's /metrics samples."""
+    return parse_metrics((await client.get(f"{url}/metrics")).text)
+
+
+def totals(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels`` (over the rest)."""
+    return sum(value for (sample, sample_labels), value in samples.items()
+               if sample == name and set(labels.items()) <= set(sample_labels))

@@ -1,4 +1,5 @@
-"""TTFT vs k: inject vs text prefill vs no memory, same facts and order, over HTTP."""
+"""TTFT vs k over HTTP: inject (host tier, disk tier) vs vLLM's prefix-cache hit vs text prefill
+vs no memory, same facts and order, with the host time of each stage per request."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from inferscale.bench.client import engine_ttft_totals, stream_chat
+from inferscale.bench.client import ChatResult, scrape, stream_chat, totals
 from inferscale.bench.common import percentile, print_table, write_report
 from inferscale.db.engine import create_engine
 from inferscale.kafka import ensure_topics, publish_turns
@@ -18,34 +19,69 @@ from inferscale.settings import Settings
 from inferscale.sources import read_turns
 from inferscale.stack import prepare, server_process, wait_encoded, worker_process
 
-MODES = ("inject", "text", "none")
+MODES = ("inject", "prefix-hit", "text", "none")
+DISK_MODE = "inject-disk"  # inject on a server whose memory tiers hold nothing
+# Host time per request, by stage: (label, metric, stage label or None).
+STAGES = (("retrieval", "inferscale_retrieval_seconds_sum", None),
+          ("compose", "inferscale_stage_seconds_sum", "compose"),
+          ("sign", "inferscale_stage_seconds_sum", "sign"),
+          ("plan_check", "inferscale_stage_seconds_sum", "plan_check"),
+          ("page_in", "inferscale_kv_page_in_seconds_sum", None),
+          ("gather", "inferscale_stage_seconds_sum", "gather"),
+          ("rope", "inferscale_stage_seconds_sum", "rope"),
+          ("cache_write", "inferscale_stage_seconds_sum", "cache_write"))
 
 
-async def measure(url: str, user: str, questions: list[str], ks: list[int]) -> list[dict]:
-    """Per (k, mode): median/p90 of HTTP TTFT and vLLM's mean engine TTFT."""
+async def _ask(client: httpx.AsyncClient, url: str, user: str, question: str, mode: str, k: int
+               ) -> tuple[ChatResult, dict, dict]:
+    """One timed request and the server's metrics just before and after it. ``prefix-hit``
+    first sends the text prompt once with a salt (not counted), then again with the same salt:
+    vLLM's own prefix cache serves the second."""
+    salt, mode = None, mode.removesuffix("-disk")
+    if mode == "prefix-hit":
+        salt = uuid.uuid4().hex
+        await stream_chat(client, url, user, question, "text", k, max_tokens=1, salt=salt)
+    before = await scrape(client, url)
+    result = await stream_chat(client, url, user, question,
+                               "text" if mode == "prefix-hit" else mode, k, salt=salt)
+    return result, before, await scrape(client, url)
+
+
+def _delta(pairs: list[tuple[dict, dict]], metric: str, **labels: str) -> float:
+    return sum(totals(after, metric, **labels) - totals(before, metric, **labels)
+               for before, after in pairs)
+
+
+async def measure(url: str, user: str, questions: list[str], ks: list[int],
+                  modes: tuple[str, ...] = MODES) -> list[dict]:
+    """Per (k, mode): median/p90 of HTTP TTFT, vLLM's mean engine TTFT and the mean host time
+    per request of each stage."""
     rows = []
     async with httpx.AsyncClient(timeout=300) as client:
         for question in questions[:2]:  # warm-up: compile paths, load caches
-            for mode in MODES:
-                await stream_chat(client, url, user, question, mode, max(ks), fresh=True)
+            for mode in modes:
+                await _ask(client, url, user, question, mode, max(ks))
         for k in ks:
-            for mode in MODES:
-                before = await engine_ttft_totals(client, url)
-                results = [await stream_chat(client, url, user, q, mode, k) for q in questions]
-                after = await engine_ttft_totals(client, url)
+            for mode in modes:
+                asked = [await _ask(client, url, user, q, mode, k) for q in questions]
+                results, pairs = [a[0] for a in asked], [a[1:] for a in asked]
                 ttfts = [r.ttft for r in results]
                 rows.append({
                     "k": k, "mode": mode, "n": len(results),
                     "ttft_median_s": statistics.median(ttfts), "ttft_p90_s": percentile(ttfts, 90),
-                    "engine_ttft_mean_s": (after[0] - before[0]) / max(1, after[1] - before[1]),
+                    "engine_ttft_mean_s": _delta(pairs, "vllm:time_to_first_token_seconds_sum")
+                    / max(1, _delta(pairs, "vllm:time_to_first_token_seconds_count")),
                     "prompt_tokens": statistics.median(
                         int(r.headers.get("x-inferscale-prompt-tokens", 0)) for r in results),
                     "injected_tokens": statistics.median(
                         int(r.headers.get("x-inferscale-injected-tokens", 0)) for r in results),
                     "retrieval_ms": statistics.median(
                         float(r.headers.get("x-inferscale-retrieval-ms", 0)) for r in results),
+                    "stages_ms": {label: _delta(pairs, metric, **({"stage": stage} if stage
+                                                                  else {})) * 1000 / len(pairs)
+                                  for label, metric, stage in STAGES},
                 })
-                print(f"k={k:>2} {mode:>6}: median TTFT {rows[-1]['ttft_median_s']:.3f}s",
+                print(f"k={k:>2} {mode:>10}: median TTFT {rows[-1]['ttft_median_s']:.3f}s",
                       flush=True)
     return rows
 
@@ -58,7 +94,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in MODES:
+    for mode in (*MODES, DISK_MODE):
         points = [(r["k"], r["ttft_median_s"]) for r in rows if r["mode"] == mode]
         ax.plot(*zip(*points, strict=True), marker="o", label=mode)
     ax.set_xlabel("k (facts retrieved)")
@@ -109,17 +145,28 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
     print(f"{len(turns)} facts ingested and encoded in {encode_s:.0f}s; starting the server")
     with server_process(settings, out_dir / "server.log") as url:
         rows = asyncio.run(measure(url, user, questions, list(ks)))
-    table = []
+    # The disk tier: a second server whose host and device tiers hold nothing.
+    diskless = settings.model_copy(update={"host_cache_bytes": 0, "device_cache_bytes": 0})
+    with server_process(diskless, out_dir / "server-disk.log") as url:
+        rows += asyncio.run(measure(url, user, questions, list(ks), (DISK_MODE,)))
+    table, breakdown = [], []
     for k in ks:
         by = {r["mode"]: r for r in rows if r["k"] == k}
+        inject, disk, hit = by["inject"], by[DISK_MODE], by["prefix-hit"]
         table.append([k, by["none"]["ttft_median_s"], by["text"]["ttft_median_s"],
-                      by["inject"]["ttft_median_s"],
-                      by["text"]["ttft_median_s"] / by["inject"]["ttft_median_s"],
-                      by["text"]["engine_ttft_mean_s"] / by["inject"]["engine_ttft_mean_s"],
-                      int(by["text"]["prompt_tokens"]), int(by["inject"]["injected_tokens"]),
-                      by["inject"]["ttft_p90_s"], by["text"]["ttft_p90_s"]])
-    print_table(["k", "none p50", "text p50", "inject p50", "text/inject", "engine ratio",
-                 "prompt tok", "injected tok", "inject p90", "text p90"], table)
+                      hit["ttft_median_s"], inject["ttft_median_s"], disk["ttft_median_s"],
+                      by["text"]["ttft_median_s"] / inject["ttft_median_s"],
+                      inject["ttft_median_s"] / hit["ttft_median_s"],
+                      disk["ttft_median_s"] / hit["ttft_median_s"],
+                      int(by["text"]["prompt_tokens"]), int(inject["injected_tokens"])])
+        for row in (inject, disk):
+            breakdown.append([k, row["mode"], *row["stages_ms"].values(),
+                              row["engine_ttft_mean_s"] * 1000, hit["engine_ttft_mean_s"] * 1000])
+    print_table(["k", "none p50", "text p50", "prefix-hit p50", "inject p50", "inject-disk p50",
+                 "text/inject", "inject/hit", "disk/hit", "prompt tok", "injected tok"], table)
+    print("host ms per request by stage, and vLLM's mean engine TTFT (ms):")
+    print_table(["k", "mode", *(label for label, _, _ in STAGES), "engine TTFT",
+                 "engine TTFT prefix-hit"], breakdown)
     report = {"n_queries": len(questions), "facts": len(turns), "encode_s": encode_s,
               "rows": rows}
     write_report(out_dir, "ttft", report)

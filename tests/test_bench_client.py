@@ -1,0 +1,29 @@
+"""Metric scraping for the benches (pure logic): prometheus_client parses, totals sum."""
+
+from inferscale.bench.client import parse_metrics, totals
+
+EXPOSITION = """\
+# HELP inferscale_stage_seconds Host time per request stage
+# TYPE inferscale_stage_seconds histogram
+inferscale_stage_seconds_bucket{le="0.001",stage="gather"} 1.0
+inferscale_stage_seconds_bucket{le="+Inf",stage="gather"} 2.0
+inferscale_stage_seconds_count{stage="gather"} 2.0
+inferscale_stage_seconds_sum{stage="gather"} 0.004
+inferscale_stage_seconds_count{stage="rope"} 2.0
+inferscale_stage_seconds_sum{stage="rope"} 0.5
+# HELP vllm:time_to_first_token_seconds TTFT
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="a"} 1.5
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="a"} 0.5
+vllm:time_to_first_token_seconds_count{engine="0",model_name="a"} 3.0
+"""
+
+
+def test_totals_sum_the_matching_label_sets():
+    samples = parse_metrics(EXPOSITION)
+    assert totals(samples, "inferscale_stage_seconds_sum", stage="gather") == 0.004
+    assert totals(samples, "inferscale_stage_seconds_sum") == 0.504
+    assert totals(samples, "vllm:time_to_first_token_seconds_sum") == 2.0
+    assert totals(samples, "vllm:time_to_first_token_seconds_sum", engine="1") == 0.5
+    assert totals(samples, "inferscale_stage_seconds_sum", stage="write") == 0
+    assert totals(samples, "no_such_metric") == 0
