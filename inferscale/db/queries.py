@@ -188,7 +188,9 @@ _CONTEXTS = {
                SELECT c.text FROM facts c
                WHERE c.user_id = f.user_id AND c.deleted_at IS NULL
                  AND (c.ts, c.id) < (f.ts, f.id)
-               ORDER BY c.embedding <=> f.embedding, c.id LIMIT :window""",
+               -- "+ 0" keeps the planner off the HNSW index: an index scan filtered by user
+               -- afterwards would drop neighbours; the exact sort covers one user's facts.
+               ORDER BY (c.embedding <=> f.embedding) + 0, c.id LIMIT :window""",
 }
 
 _CLAIM = """
