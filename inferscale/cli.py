@@ -135,7 +135,7 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
     elif args.which == "ttft":
         from inferscale.bench import ttft
 
-        ttft.run(settings, data, out, n_queries=args.n)
+        ttft.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
     elif args.which == "throughput":
         from inferscale.bench import throughput
 
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
     p.add_argument("-n", type=int, default=20, help="facts / queries per configuration")
+    p.add_argument("--k", type=int, nargs="+", default=[0, 5, 10, 20, 50],
+                   help="ttft: facts retrieved per question")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none")

@@ -221,42 +221,45 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._load(meta.loads, forward_context)
 
     def _load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
-        keys, values, slots = [], [], []
-        gather_s = rope_s = 0.0
+        """Page in every load's KV, copy it once into one buffer, rotate all keys in place in
+        one kernel call, then write each layer's K/V with one cache update."""
+        started = time.perf_counter()
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        positions, slots = [], []
         for spec in loads:
             try:
-                started = time.perf_counter()
-                k, v = self._gather(spec)
-                gathered = time.perf_counter()
-                positions = torch.arange(spec.start, spec.end, device=k.device)
-                rotated, slot_mapping = self._rope.rotate(k, positions), self._slots(spec,
-                                                                                     positions)
-                gather_s, rope_s = gather_s + gathered - started, (
-                    rope_s + time.perf_counter() - gathered)
+                spec_pieces = self._pieces(spec)
+                spec_positions = torch.arange(spec.start, spec.end,
+                                              device=spec_pieces[0][0].device)
+                spec_slots = self._slots(spec, spec_positions)
             except Exception as exc:  # noqa: BLE001 - any bad blob or spec: recompute it
                 log.warning("request %s: falling back to prefill: %s", spec.request_id, exc)
                 KV_METRICS.load_failures.labels(getattr(exc, "reason", "mismatch")).inc()
                 self._failed_blocks |= self._blocks_of(spec)
                 continue
-            keys.append(rotated)
-            values.append(v)
-            slots.append(slot_mapping)
-        if not keys:
+            pieces += spec_pieces
+            positions.append(spec_positions)
+            slots.append(spec_slots)
+        if not pieces:
             return
-        started = time.perf_counter()
-        k, v = torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        k = torch.cat([piece[0] for piece in pieces], dim=1)
+        v = torch.cat([piece[1] for piece in pieces], dim=1)
+        gathered = time.perf_counter()
+        self._rope.rotate_(k, torch.cat(positions))
+        rotated = time.perf_counter()
         slot_mapping = torch.cat(slots)
-        KV_METRICS.injected_tokens.inc(len(slot_mapping))
         for index, layer in self._attention_layers(forward_context):
             layer.impl.do_kv_cache_update(layer, k[index], v[index], layer.kv_cache,
                                           slot_mapping)
-        KV_METRICS.stage_seconds.labels("gather").observe(gather_s)
-        KV_METRICS.stage_seconds.labels("rope").observe(rope_s)
-        KV_METRICS.stage_seconds.labels("cache_write").observe(time.perf_counter() - started)
+        KV_METRICS.injected_tokens.inc(len(slot_mapping))
+        KV_METRICS.stage_seconds.labels("gather").observe(gathered - started)
+        KV_METRICS.stage_seconds.labels("rope").observe(rotated - gathered)
+        KV_METRICS.stage_seconds.labels("cache_write").observe(time.perf_counter() - rotated)
 
-    def _gather(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of positions [start, end) from the plan's segments, [layers, tokens, heads, dim]."""
-        ks, vs = [], []
+    def _pieces(self, spec: LoadSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) views of the segments' blobs covering positions [start, end), each
+        [layers, tokens, heads, dim], checked against the plan and the serving layout."""
+        pieces = []
         for segment in spec.segments:
             if segment.end <= spec.start:
                 continue
@@ -268,9 +271,10 @@ class InferScaleConnector(KVConnectorBase_V1):
                 raise ValueError(f"blob {segment.name} is {blob.k.dtype} {tuple(blob.k.shape)},"
                                  f" not the serving model's layout")
             skip = max(0, spec.start - segment.start)
-            ks.append(blob.k[:, skip:])
-            vs.append(blob.v[:, skip:])
-        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+            pieces.append((blob.k[:, skip:], blob.v[:, skip:]))
+        if sum(piece[0].shape[1] for piece in pieces) != spec.end - spec.start:
+            raise ValueError("the plan's segments do not cover the claimed positions")
+        return pieces
 
     def _slots(self, spec: LoadSpec, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(spec.block_ids, dtype=torch.long, device=positions.device)

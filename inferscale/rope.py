@@ -1,9 +1,11 @@
 """Chunked RoPE: rotate stored pre-RoPE keys to the positions they occupy at serving time.
 
-The cos/sin table is vLLM's own (``get_rope`` returns the serving model's cached instance), so
-keys rotated here match what vLLM computes for the same positions. Where vLLM is not installed
-(a GPU box with transformers only) the table is built from transformers' RoPE init functions,
-which the test suite checks against vLLM's.
+The cos/sin table is vLLM's own (``get_rope`` returns the serving model's cached instance) and
+the rotation is vLLM's own in-place rotary kernel (the one that rotates serving keys, CPU or
+CUDA), called once for all layers, so injected keys match what vLLM computes for the same
+positions. Where vLLM is not installed (a GPU box with transformers only) the table is built
+from transformers' RoPE init functions, which the test suite checks against vLLM's, and the
+rotation is ``apply_rope`` in torch.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+def _vllm_kernel():
+    """vLLM's in-place rotary kernel, or None where vLLM is not installed."""
+    try:
+        from vllm import _custom_ops
+    except ImportError:
+        return None
+    return _custom_ops.rotary_embedding
+
+
 class ChunkedRope:
     """Rotates ``[layers, tokens, kv_heads, head_dim]`` keys for all layers in one call."""
 
@@ -74,7 +85,19 @@ class ChunkedRope:
         max_position = max_position or config.max_position_embeddings
         table, self.rotary_dim = cos_sin_table(config, max_position, dtype)
         self.cos_sin = table.to(device=device, dtype=dtype)
+        self._kernel = _vllm_kernel()
+
+    def rotate_(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate contiguous keys in place to ``positions`` (one per token, shared by every
+        layer); returns ``keys``."""
+        layers, tokens, heads, head_dim = keys.shape
+        positions = positions.to(self.cos_sin.device)
+        if self._kernel is None:
+            return keys.copy_(apply_rope(keys, positions, self.cos_sin, self.rotary_dim))
+        self._kernel(positions.repeat(layers), keys.view(layers * tokens, heads * head_dim), None,
+                     head_dim, self.cos_sin, True)
+        return keys
 
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Keys rotated to ``positions`` (one position per token, shared by every layer)."""
-        return apply_rope(keys, positions.to(self.cos_sin.device), self.cos_sin, self.rotary_dim)
+        """Keys rotated to ``positions`` (a rotated copy)."""
+        return self.rotate_(keys.clone(memory_format=torch.contiguous_format), positions)

@@ -1,9 +1,10 @@
 """Chunked RoPE equals vLLM's rotary embedding for the same positions."""
 
+import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig
 
-from inferscale.rope import ChunkedRope, _hf_cos_sin, _vllm_cos_sin
+from inferscale.rope import ChunkedRope, _hf_cos_sin, _vllm_cos_sin, apply_rope
 
 
 def _vllm_rope(config, dtype):
@@ -15,22 +16,36 @@ def _vllm_rope(config, dtype):
                         is_neox_style=True, rope_parameters=config.rope_parameters, dtype=dtype)
 
 
-def test_batched_rotation_is_bit_equal_to_vllm_per_layer(smollm2_dir):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_rotation_is_bit_equal_to_vllm_per_layer(smollm2_dir, dtype):
+    """One kernel call over every layer equals vLLM rotating each layer's keys as it serves
+    them (its fused CPU kernel), bit for bit; the torch fallback agrees to rounding."""
     config = AutoConfig.from_pretrained(smollm2_dir)
-    rope = _vllm_rope(config, torch.float32)
+    rope = _vllm_rope(config, dtype)
     torch.manual_seed(0)
     layers, tokens = config.num_hidden_layers, 57
-    keys = torch.randn(layers, tokens, config.num_key_value_heads, config.head_dim)
+    keys = torch.randn(layers, tokens, config.num_key_value_heads, config.head_dim).to(dtype)
     positions = torch.randint(0, 8000, (tokens,))
-    ours = ChunkedRope(config, torch.float32).rotate(keys, positions)
+    chunked = ChunkedRope(config, dtype)
+    ours = chunked.rotate(keys, positions)
+    assert not torch.equal(ours, keys)  # a copy; the input is left as it was
     for layer in range(layers):
         flat = keys[layer].reshape(tokens, -1).clone()
-        _, ref = rope.forward_native(positions, flat.clone(), flat)
+        _, ref = rope.forward_cpu(positions, flat.clone(), flat)
         assert torch.equal(ours[layer], ref.view_as(keys[layer]))
-    # vLLM's fused CPU kernel agrees to rounding.
-    flat = keys[0].reshape(tokens, -1).clone()
-    _, fused = rope.forward_cpu(positions, flat.clone(), flat)
-    torch.testing.assert_close(ours[0], fused.view_as(keys[0]), rtol=0, atol=2e-6)
+    fallback = apply_rope(keys, positions, chunked.cos_sin, chunked.rotary_dim)
+    tolerance = 2e-6 if dtype == torch.float32 else 0.07  # bf16: an ulp at |x| ~ 4-8
+    torch.testing.assert_close(ours, fallback, rtol=0, atol=tolerance)
+
+
+def test_rotation_in_place_rotates_the_given_keys(smollm2_dir):
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    rope = ChunkedRope(config, torch.float32)
+    keys = torch.randn(3, 5, config.num_key_value_heads, config.head_dim)
+    positions = torch.arange(100, 105)
+    expected = rope.rotate(keys, positions)
+    assert rope.rotate_(keys, positions) is keys
+    assert torch.equal(keys, expected)
 
 
 def test_transformers_fallback_table_equals_vllm():
