@@ -99,6 +99,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot(*zip(*points, strict=True), marker="o", label=mode)
     ax.set_xlabel("k (facts retrieved)")
     ax.set_ylabel("median TTFT over HTTP (s)")
+    ax.set_yscale("log")
     ax.set_title("InferScale TTFT vs k (SmolLM2-135M, CPU)")
     ax.legend()
     ax.grid(alpha=0.3)
