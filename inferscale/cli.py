@@ -172,8 +172,8 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
 
     evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
                  questions=args.questions, ks=tuple(args.k), windows=tuple(args.w),
-                 contexts=tuple(args.context), recomputes=tuple(args.recompute),
-                 order=args.order, oracle=args.oracle,
+                 contexts=tuple(args.context or [settings.encode_context]),
+                 recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
                  max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed)
     return 0
 
@@ -250,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=100, help="QA items in all (categories 1-4)")
     p.add_argument("--k", type=int, nargs="+", default=[20])
     p.add_argument("--w", type=int, nargs="+", default=[5], help="encoding windows")
-    p.add_argument("--context", choices=["turns", "neighbours"], nargs="+", default=["turns"],
-                   help="encoding contexts: preceding turns, or most similar earlier facts")
+    p.add_argument("--context", choices=["turns", "neighbours"], nargs="+",
+                   help="encoding contexts: preceding turns, or most similar earlier facts "
+                        "(default: INFERSCALE_ENCODE_CONTEXT)")
     p.add_argument("--recompute", type=int, nargs="+", default=[0],
                    help="tail recompute: best m facts prefilled after the injected ones")
     p.add_argument("--order", choices=["relevance", "time"], default="relevance",
