@@ -231,7 +231,7 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
     out_dir.mkdir(parents=True, exist_ok=True)
     encodings = [(c, w) for c in contexts for w in windows]
     users = {e: _ingest(settings, samples, e, out_dir, max_turns) for e in encodings}
-    qa = [{**q, "users": {("turns", None): users[encodings[0]][s["sample_id"]],
+    qa = [{**q, "users": {Config("none").encoding: users[encodings[0]][s["sample_id"]],
                           **{e: users[e][s["sample_id"]] for e in encodings}}}
           for s in samples for q in s["qa"] if q.get("category") in (1, 2, 3, 4) and "answer" in q]
     items = random.Random(seed).sample(qa, min(questions, len(qa)))
