@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import uuid
+from itertools import pairwise
 
 import pytest
 import torch
@@ -71,9 +72,13 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
                                                                "neighbours")}
         assert claimed[rows[0].id].context == []
         last = rows[-1]
-        earlier = sorted(rows[:-1], key=lambda r: (_cosine_distance(r.embedding, last.embedding),
-                                                    r.id))
-        assert claimed[last.id].context == [r.text for r in reversed(earlier[:3])]
+        distance = {r.text: _cosine_distance(r.embedding, last.embedding) for r in rows[:-1]}
+        context = claimed[last.id].context
+        assert len(context) == 3 and set(context) <= set(distance)
+        chosen = [distance[text] for text in context]
+        assert all(a >= b - 1e-5 for a, b in pairwise(chosen))  # nearest last
+        others = [d for text, d in distance.items() if text not in context]
+        assert min(others) >= max(chosen) - 1e-5  # no earlier fact nearer than those chosen
         await conn.rollback()
     store = KVStore(tmp_path / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=1 << 30)
     stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
