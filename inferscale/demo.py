@@ -39,7 +39,7 @@ async def _publish(settings: Settings, turns) -> None:
 async def _wait(settings: Settings, user: str, n: int) -> float:
     engine = create_engine(settings.database_url)
     try:
-        return await wait_encoded(engine, user, n)
+        return await wait_encoded(engine, user, n, settings)
     finally:
         await engine.dispose()
 

@@ -7,6 +7,7 @@ and after the per-head key norm where the model has one (Qwen3).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,7 @@ class FactEncoder:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self._captured: list[list[torch.Tensor]] = []
         self._index: torch.Tensor | None = None
+        self.lock = threading.Lock()  # one forward pass at a time (the model is shared)
         self._register_hooks()
 
     def _register_hooks(self) -> None:
@@ -148,17 +150,18 @@ class FactEncoder:
             ids[b, : len(seq)] = torch.tensor(seq)
             mask[b, : len(seq)] = 1
             index[b] = torch.clamp(torch.arange(span_max) + len(prefix), max=len(seq) - 1)
-        self._index = index.to(self.device)
-        try:
-            self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             use_cache=False)
-            shape = (len(items), span_max, self.kv_heads, self.head_dim)
-            k = torch.stack([layer[0].view(shape) for layer in self._captured], dim=1)
-            v = torch.stack([layer[1].view(shape) for layer in self._captured], dim=1)
-        finally:
-            self._index = None
-            for layer in self._captured:
-                layer[0] = layer[1] = None
+        with self.lock:
+            self._index = index.to(self.device)
+            try:
+                self.model.model(input_ids=ids.to(self.device),
+                                 attention_mask=mask.to(self.device), use_cache=False)
+                shape = (len(items), span_max, self.kv_heads, self.head_dim)
+                k = torch.stack([layer[0].view(shape) for layer in self._captured], dim=1)
+                v = torch.stack([layer[1].view(shape) for layer in self._captured], dim=1)
+            finally:
+                self._index = None
+                for layer in self._captured:
+                    layer[0] = layer[1] = None
         k = k.to(device="cpu", dtype=self.kv_dtype)  # [batch, layers, span, heads, dim]
         v = v.to(device="cpu", dtype=self.kv_dtype)
         return [

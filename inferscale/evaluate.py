@@ -109,7 +109,7 @@ def _ingest(settings: Settings, samples: list[dict], encoding: tuple[str, int], 
         engine = create_engine(run.database_url)
         try:
             for user in users.values():
-                await wait_encoded(engine, user, sum(e.user_id == user for e in events))
+                await wait_encoded(engine, user, sum(e.user_id == user for e in events), run)
         finally:
             await engine.dispose()
 

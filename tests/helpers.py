@@ -38,15 +38,26 @@ async def read_topic(bootstrap: str, topic: str, expected: int,
     return records
 
 
+async def extract_all(settings, engine, embedder, extractor=None, decide=None, **kwargs):
+    """Drain the extract stage (``turn`` extractor unless given) over every stored turn."""
+    from inferscale.extract import TurnExtractor
+    from workers.extract import ExtractWorker
+
+    return await ExtractWorker(settings, engine, embedder, extractor or TurnExtractor(), decide,
+                               **kwargs).run(drain=True)
+
+
 async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, store=None) -> None:
-    """Publish turns, drain the ingest worker, then (optionally) encode every pending fact."""
+    """Publish turns, drain the ingest and extract stages, then (optionally) encode every
+    pending fact."""
     from inferscale.kafka import ensure_topics, publish_turns
     from workers.encode import EncodeWorker
     from workers.ingest import IngestWorker
 
     await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
     await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
-    await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(drain=True)
+    await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
+    await extract_all(settings, engine, embedder)
     if encoder is not None:
         await EncodeWorker(settings, engine, encoder, store).run(drain=True)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from helpers import sample_turns, turn
+from helpers import extract_all, sample_turns, turn
 from inferscale import failpoints
 from inferscale.db.queries import (
     PendingFact,
@@ -41,7 +41,8 @@ def tiny_encoder(tiny_models):
 async def _ingest(settings, engine, embedder, turns):
     await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
     await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
-    await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(drain=True)
+    await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
+    await extract_all(settings, engine, embedder)
 
 
 def _cosine_distance(a, b) -> float:
@@ -96,7 +97,7 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
     blobs_before = sorted(p.name for p in store.root.rglob("*.safetensors"))
     # Redelivery: a replay of the topic creates no new facts and nothing to encode.
     replay = settings.model_copy(update={"consumer_group": settings.consumer_group + "-r"})
-    await IngestWorker(replay, replay.kafka_bootstrap, engine, embedder).run(drain=True)
+    await IngestWorker(replay, replay.kafka_bootstrap, engine).run(drain=True)
     again = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     assert again.encoded == 0
     assert sorted(p.name for p in store.root.rglob("*.safetensors")) == blobs_before

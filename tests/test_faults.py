@@ -363,7 +363,7 @@ async def test_worker_started_before_the_broker_waits_for_it(settings, engine, e
     bootstrap = f"127.0.0.1:{port}"
     user = f"late-{uuid.uuid4().hex[:6]}"
     cfg = settings.model_copy(update={"kafka_bootstrap": bootstrap})
-    worker = IngestWorker(cfg, bootstrap, engine, embedder)
+    worker = IngestWorker(cfg, bootstrap, engine)
     running = asyncio.create_task(worker.run())
     try:
         await asyncio.sleep(3)

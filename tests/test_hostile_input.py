@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from sqlalchemy import select, tuple_
 
-from helpers import read_topic, turn
+from helpers import extract_all, read_topic, turn
 from hostile import record_keys, record_values, samples, tried, valid_events
 from inferscale.db.queries import count_user_rows
 from inferscale.db.tables import turns
@@ -43,9 +43,10 @@ async def test_nasty_ids_and_texts_are_stored_verbatim(settings, engine, embedde
             await producer.send_and_wait(settings.turns_topic, raw)
     finally:
         await producer.stop()
-    stats = await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(
+    stats = await IngestWorker(settings, settings.kafka_bootstrap, engine).run(
         drain=True)
     assert stats.dead_lettered == len(bad)
+    await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         for event in events:
             row = (await conn.execute(select(turns.c.text).where(
@@ -86,14 +87,15 @@ async def test_a_value_the_database_refuses_is_dead_lettered_alone(settings, eng
     good = [turn(user, f"t{i}", "Kim", f"Fact {i}.") for i in range(4)]
     bad = _oversized_key_turn(user)
     await _send(settings, [(e.user_id.encode(), e.to_bytes()) for e in [*good[:2], bad, *good[2:]]])
-    stats = await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(drain=True)
+    stats = await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
     assert (stats.turns_stored, stats.dead_lettered) == (len(good), 1)
+    await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         assert await count_user_rows(conn, user) == (len(good), len(good))
     dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, 1)
     assert [r.value for r in dead] == [bad.to_bytes()]
     assert dict(dead[0].headers)["reason"] == b"rejected by database: ProgramLimitExceededError"
-    again = await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(drain=True)
+    again = await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
     assert again.consumed == 0  # the offsets were committed past the refused record
 
 
@@ -114,7 +116,7 @@ async def test_a_parser_failure_costs_one_record_only(settings, engine, embedder
     monkeypatch.setattr(ingest, "parse_record", buggy_parse)
     await _send(settings, [(e.user_id.encode(), e.to_bytes()) for e in [good[0], crash, *good[1:],
                                                                           odd]])
-    stats = await IngestWorker(settings, settings.kafka_bootstrap, engine, embedder).run(drain=True)
+    stats = await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
     assert (stats.turns_stored, stats.dead_lettered) == (len(good), 2)
     dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, 2)
     assert {r.value: dict(r.headers)["reason"] for r in dead} == {

@@ -7,15 +7,15 @@ import uuid
 import pytest
 from sqlalchemy import func, select
 
-from helpers import read_topic, sample_turns
+from helpers import extract_all, read_topic, sample_turns
 from inferscale.db.queries import count_user_rows
 from inferscale.db.tables import facts
 from inferscale.kafka import ensure_topics, make_producer, publish_turns
 from workers.ingest import IngestWorker
 
 
-def worker(settings, engine, embedder, **kwargs) -> IngestWorker:
-    return IngestWorker(settings, settings.kafka_bootstrap, engine, embedder, **kwargs)
+def worker(settings, engine, **kwargs) -> IngestWorker:
+    return IngestWorker(settings, settings.kafka_bootstrap, engine, **kwargs)
 
 
 async def publish(settings, turns) -> int:
@@ -28,8 +28,11 @@ async def test_locomo_conversation_stored_once_with_embeddings(settings, engine,
     turns = sample_turns()
     user = turns[0].user_id
     assert await publish(settings, turns) == len(turns)
-    stats = await worker(settings, engine, embedder).run(drain=True)
+    stats = await worker(settings, engine).run(drain=True)
     assert stats.consumed == len(turns)
+    async with engine.connect() as conn:  # ingest stores turns; the extract stage makes facts
+        assert await count_user_rows(conn, user) == (len(turns), 0)
+    await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         assert await count_user_rows(conn, user) == (len(turns), len(turns))
         missing = await conn.scalar(select(func.count()).where(
@@ -48,19 +51,20 @@ async def test_redelivery_after_db_commit_creates_no_duplicates(settings, engine
         raise RuntimeError("killed between DB commit and offset commit")
 
     with pytest.raises(RuntimeError, match="killed between"):
-        await worker(settings, engine, embedder,
+        await worker(settings, engine,
                      after_store=crash_before_offset_commit).run(drain=True)
     async with engine.connect() as conn:
         stored_before = await count_user_rows(conn, user)
     assert stored_before[0] > 0
     # Same group: nothing was committed, so the batch is delivered again.
-    stats = await worker(settings, engine, embedder).run(drain=True)
+    stats = await worker(settings, engine).run(drain=True)
     assert stats.consumed == len(turns)
     # A full replay from another group re-reads everything.
     replay = settings.model_copy(update={"consumer_group": settings.consumer_group + "-replay"})
-    replay_stats = await worker(replay, engine, embedder).run(drain=True)
+    replay_stats = await worker(replay, engine).run(drain=True)
     assert replay_stats.consumed == len(turns)
-    assert replay_stats.turns_stored == replay_stats.facts_stored == 0
+    assert replay_stats.turns_stored == 0
+    await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         assert await count_user_rows(conn, user) == (len(turns), len(turns))
 
@@ -71,11 +75,11 @@ async def test_two_workers_share_the_group(settings, engine, embedder):
     await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], partitions=4)
     await publish(settings, turns)
     small = settings.model_copy(update={"ingest_batch_size": 16, "drain_idle_s": 3.0})
-    a, b = worker(small, engine, embedder), worker(small, engine, embedder)
+    a, b = worker(small, engine), worker(small, engine)
     await asyncio.gather(a.run(drain=True), b.run(drain=True))
     assert a.stats.turns_stored + b.stats.turns_stored == len(turns)
-    assert a.stats.facts_stored + b.stats.facts_stored == len(turns)
     assert a.stats.consumed > 0 and b.stats.consumed > 0
+    await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         for user in users:
             assert await count_user_rows(conn, user) == (len(turns) // 8, len(turns) // 8)
@@ -100,8 +104,9 @@ async def test_bad_messages_go_to_dead_letter_and_good_ones_are_kept(settings, e
             await producer.send_and_wait(settings.turns_topic, turn.to_bytes(), key=user.encode())
     finally:
         await producer.stop()
-    stats = await worker(settings, engine, embedder).run(drain=True)
+    stats = await worker(settings, engine).run(drain=True)
     assert stats.dead_lettered == len(bad)
+    await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         assert await count_user_rows(conn, user) == (len(good), len(good))
     dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, len(bad))

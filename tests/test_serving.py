@@ -319,7 +319,7 @@ async def test_forget_reaches_every_tier_and_backlog_stays_forgotten(served, smo
     assert report["prefix_cache_reset"] is True
     after = served.chat(user, question, k=2)
     assert after.headers["x-inferscale-facts"] == "0"
-    await IngestWorker(cfg, cfg.kafka_bootstrap, engine, embedder).run(drain=True)
+    await IngestWorker(cfg, cfg.kafka_bootstrap, engine).run(drain=True)
     async with engine.connect() as conn:
         assert await count_user_rows(conn, user) == (0, 0)  # the backlog stayed forgotten
     later = turn(user, "t4", "Gus", "I just adopted a tortoise named Pebble.", day=2)

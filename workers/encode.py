@@ -31,9 +31,9 @@ from inferscale.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.fingerprint import model_fingerprint
 from inferscale.kvstore import KVStore
 from inferscale.model_prep import resolve_model_path
+from inferscale.retry import is_transient_db_error, retry_transient
 from inferscale.settings import Settings
 from workers import observe
-from workers.ingest import is_transient_db_error, retry_transient
 
 log = logging.getLogger("inferscale.encode")
 

@@ -1,4 +1,4 @@
-"""Turn-ingest worker: Kafka turns -> validated turns + embedded facts in Postgres.
+"""Turn-ingest stage: Kafka turns -> validated turns in Postgres (the extract stage takes over).
 
 At-least-once: offsets are committed only after the database transaction that stores the batch
 has committed; every write is an upsert on a natural key, so redelivery creates no duplicates.
@@ -15,35 +15,22 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaConnectionError, KafkaError
-from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale import failpoints
-from inferscale.db.queries import (
-    NewFact,
-    StoredTurn,
-    lock_users,
-    tombstones,
-    upsert_facts,
-    upsert_turns,
-)
-from inferscale.embedder import Embedder, load_embedder
+from inferscale.db.queries import StoredTurn, lock_users, tombstones, upsert_turns
 from inferscale.events import InvalidEvent, TurnEvent, parse_record
-from inferscale.extract import get_extractor
 from inferscale.kafka import ensure_topics, make_producer
+from inferscale.retry import MAX_DELAY_S, is_transient_db_error, retry_transient
 from inferscale.settings import Settings
 from workers import observe
 
 log = logging.getLogger("inferscale.ingest")
 
-TurnRows = tuple[StoredTurn, list[NewFact], datetime]  # turn, its facts, Kafka record time
-
-DB_RETRY_MAX_S = 10.0
-T = TypeVar("T")
+TurnRow = tuple[StoredTurn, datetime]  # a turn and its Kafka record time
 
 
 @dataclass
@@ -52,40 +39,10 @@ class IngestStats:
 
     consumed: int = 0
     turns_stored: int = 0
-    facts_stored: int = 0
     dead_lettered: int = 0
     batches: int = 0
     db_retries: int = 0
     forgotten: int = 0  # turns of forgotten users, published before the forget: dropped
-
-
-def is_transient_db_error(exc: BaseException) -> bool:
-    """Connection-level failures worth retrying (database restarting, network blips)."""
-    import asyncpg
-
-    connection_errors = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
-                         asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError)
-    if isinstance(exc, (OperationalError, *connection_errors)):
-        return True
-    return isinstance(exc, DBAPIError) and (
-        exc.connection_invalidated or isinstance(exc.orig, connection_errors)
-        or isinstance(getattr(exc.orig, "__cause__", None), connection_errors))
-
-
-async def retry_transient(action: Callable[[], Awaitable[T]],
-                          on_retry: Callable[[BaseException, float], None]) -> T:
-    """Run ``action`` until it succeeds or fails with a non-transient error; before each retry
-    ``on_retry(error, delay)`` is called (it may raise to give up), then a backoff sleep."""
-    delay = 0.2
-    while True:
-        try:
-            return await action()
-        except Exception as exc:
-            if not is_transient_db_error(exc):
-                raise
-            on_retry(exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, DB_RETRY_MAX_S)
 
 
 # SQLSTATE classes of errors a single record causes: data exception (a value Postgres cannot
@@ -107,15 +64,12 @@ class IngestWorker:
         settings: Settings,
         bootstrap: str,
         engine: AsyncEngine,
-        embedder: Embedder | None = None,
         after_store: Callable[[dict[TopicPartition, int]], Awaitable[None]] | None = None,
         backlog: Callable[[], Awaitable[int]] | None = None,
     ):
         self.settings = settings
         self.bootstrap = bootstrap
         self.engine = engine
-        self.embedder = embedder
-        self.extract = get_extractor(settings.extractor)
         self.after_store = after_store
         self.backlog = backlog
         self.stats = IngestStats()
@@ -130,9 +84,6 @@ class IngestWorker:
     async def run(self, drain: bool = False) -> IngestStats:
         """Consume until stopped (or, with ``drain``, until the topic stays idle)."""
         s = self.settings
-        loop = asyncio.get_running_loop()
-        if self.embedder is None:
-            self.embedder = await loop.run_in_executor(None, load_embedder, s.embedder)
         clients = await self._connect()
         if clients is None:
             return self.stats
@@ -198,7 +149,7 @@ class IngestWorker:
                 await consumer.stop()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
-                delay = min(delay * 2, DB_RETRY_MAX_S)
+                delay = min(delay * 2, MAX_DELAY_S)
         return None
 
     async def _apply_back_pressure(self, consumer: AIOKafkaConsumer) -> None:
@@ -275,7 +226,7 @@ class IngestWorker:
                      ) -> list[tuple[ConsumerRecord, str]]:
         """Store the batch in one transaction. If the database refuses it, store it record by
         record; returns the records the database refused, with their reasons."""
-        rows = await self._rows(items)
+        rows = self._rows(items)
         try:
             await self._write(rows)
             return []
@@ -292,50 +243,33 @@ class IngestWorker:
                 refused.append((record, f"rejected by database: {_db_error_name(exc)}"))
         return refused
 
-    async def _rows(self, items: list[tuple[TurnEvent, ConsumerRecord]]) -> list[TurnRows]:
-        """Each event's turn row, its extracted, embedded fact rows and when it was published."""
-        pending = [(i, ordinal, text) for i, (e, _) in enumerate(items)
-                   for ordinal, text in enumerate(self.extract(e))]
-        loop = asyncio.get_running_loop()
-        vectors = await loop.run_in_executor(
-            None, self.embedder.encode, [text for _, _, text in pending]
-        )
-        rows = [
-            (StoredTurn(user_id=e.user_id, conversation_id=e.conversation_id, turn_id=e.turn_id,
-                        speaker=e.speaker, text=e.text, ts=e.timestamp, source_topic=r.topic,
-                        source_partition=r.partition, source_offset=r.offset), [],
-             datetime.fromtimestamp(r.timestamp / 1000, UTC))
-            for e, r in items
-        ]
-        for (i, ordinal, text), vector in zip(pending, vectors, strict=True):
-            e = items[i][0]
-            rows[i][1].append(NewFact(
-                user_id=e.user_id, conversation_id=e.conversation_id, turn_ids=(e.turn_id,),
-                ordinal=ordinal, extractor=self.settings.extractor, text=text, ts=e.timestamp,
-                embedding=vector.tolist()))
-        return rows
+    @staticmethod
+    def _rows(items: list[tuple[TurnEvent, ConsumerRecord]]) -> list[TurnRow]:
+        """Each event's turn row and when it was published."""
+        return [(StoredTurn(user_id=e.user_id, conversation_id=e.conversation_id,
+                            turn_id=e.turn_id, speaker=e.speaker, text=e.text, ts=e.timestamp,
+                            source_topic=r.topic, source_partition=r.partition,
+                            source_offset=r.offset),
+                 datetime.fromtimestamp(r.timestamp / 1000, UTC)) for e, r in items]
 
-    async def _write(self, rows: list[TurnRows]) -> None:
+    async def _write(self, rows: list[TurnRow]) -> None:
         """One transaction for the rows, retried while the database is unreachable."""
-        async def write() -> tuple[int, int, int]:
+        async def write() -> tuple[int, int]:
             async with self.engine.begin() as conn:
-                await lock_users(conn, [turn.user_id for turn, _, _ in rows], exclusive=False)
-                forgotten = await tombstones(conn, [turn.user_id for turn, _, _ in rows])
-                live = [(turn, facts) for turn, facts, published in rows
+                await lock_users(conn, [turn.user_id for turn, _ in rows], exclusive=False)
+                forgotten = await tombstones(conn, [turn.user_id for turn, _ in rows])
+                live = [turn for turn, published in rows
                         if turn.user_id not in forgotten or published > forgotten[turn.user_id]]
-                new_turns = await upsert_turns(conn, [turn for turn, _ in live])
-                new_facts = await upsert_facts(conn, [f for _, facts in live for f in facts])
+                new_turns = await upsert_turns(conn, live)
                 failpoints.hit("ingest.before_db_commit")
-            return new_turns, new_facts, len(rows) - len(live)
+            return new_turns, len(rows) - len(live)
 
-        new_turns, new_facts, dropped = await retry_transient(write, self._db_retry)
+        new_turns, dropped = await retry_transient(write, self._db_retry)
         if dropped:
             log.info("dropped %d turns of forgotten users published before the forget", dropped)
         self.stats.forgotten += dropped
         self.stats.turns_stored += new_turns
-        self.stats.facts_stored += new_facts
         observe.TURNS_STORED.inc(new_turns)
-        observe.FACTS_STORED.inc(new_facts)
 
     def _db_retry(self, exc: BaseException, delay: float) -> None:
         self.stats.db_retries += 1

@@ -11,15 +11,21 @@ log = logging.getLogger("inferscale.worker.http")
 
 CONSUMED = Counter("inferscale_worker_consumed", "Kafka records consumed")
 TURNS_STORED = Counter("inferscale_worker_turns_stored", "New turns stored")
+TURNS_EXTRACTED = Counter("inferscale_worker_turns_extracted", "Turns whose facts were stored")
 FACTS_STORED = Counter("inferscale_worker_facts_stored", "New facts stored")
+FACTS_RETIRED = Counter("inferscale_worker_facts_retired",
+                        "Facts superseded or deleted by the update step")
+EXTRACT_FALLBACKS = Counter("inferscale_worker_extract_fallbacks",
+                            "Turns kept whole because the extraction model's answer was unusable")
 DEAD_LETTERED = Counter("inferscale_worker_dead_lettered", "Records sent to the DLQ", ["reason"])
 DB_RETRIES = Counter("inferscale_worker_db_retries", "Database retries after connection errors")
 FACTS_ENCODED = Counter("inferscale_worker_facts_encoded", "Facts encoded to KV")
 ENCODE_FAILURES = Counter("inferscale_worker_encode_failures", "Failed fact encodes")
-BATCH_SECONDS = Histogram("inferscale_worker_batch_seconds", "Ingest/encode batch latency",
+BATCH_SECONDS = Histogram("inferscale_worker_batch_seconds", "Ingest/extract/encode batch latency",
                           ["stage"])
 LAG = Gauge("inferscale_worker_lag", "Records behind the partition end", ["partition"])
-PENDING_FACTS = Gauge("inferscale_worker_pending_facts", "Facts waiting for their KV")
+PENDING_FACTS = Gauge("inferscale_worker_pending_facts",
+                      "Facts waiting for their KV plus turns waiting for extraction")
 PAUSED = Gauge("inferscale_worker_paused", "1 while consumption is paused by back-pressure")
 
 

@@ -18,7 +18,7 @@ def run(model_path: Path, data: Path, out_dir: Path, facts: int = 64,
         windows: tuple[int, ...] = (0, 5, 20), batch_size: int = 8) -> dict:
     """Encode ``facts`` facts of the first conversation per window; print and save figures."""
     turns = list(read_turns(data))
-    texts = [t for turn in turns for t in turn_fact(turn)]
+    texts = [f for t in turns if (f := turn_fact(t.speaker, t.text, t.timestamp))]
     encoder = FactEncoder(model_path)
     rows, results = [], []
     for window in windows:

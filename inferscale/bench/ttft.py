@@ -128,7 +128,7 @@ def ingest_user(settings: Settings, user: str, turns: list) -> float:
         await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns)
         engine = create_engine(settings.database_url)
         try:
-            return await wait_encoded(engine, user, len(turns))
+            return await wait_encoded(engine, user, len(turns), settings)
         finally:
             await engine.dispose()
 

@@ -33,6 +33,10 @@ turns = Table(
     Column("source_partition", Integer),
     Column("source_offset", BigInteger),
     Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+    Column("extracted_at", DateTime(timezone=True)),
+    Column("extract_claims", Integer, nullable=False, server_default="0"),
+    Column("extract_until", DateTime(timezone=True)),
+    Column("extract_error", Text),
 )
 
 facts = Table(
@@ -62,6 +66,7 @@ facts = Table(
     Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
     Column("encoded_at", DateTime(timezone=True)),
     Column("deleted_at", DateTime(timezone=True)),
+    Column("superseded_by", BigInteger),
 )
 
 # A forgotten user's tombstone: turns published (Kafka record time) up to forgotten_at are

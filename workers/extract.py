@@ -1,0 +1,187 @@
+"""Extract stage: stored turns -> facts (with the turns before them as context) -> Postgres.
+
+Turns are leased per user (``extract_lease_s``) so a user's new facts are decided in turn order
+by one worker at a time; a batch's facts, the facts they retire and the turns' ``extracted_at``
+commit in one transaction, so a turn is extracted once whatever is redelivered or restarted (a
+worker that dies mid-batch stored nothing, and its lease runs out). Retired facts' blobs leave
+the durable tier here and every server's memory tiers through the invalidation topic, the path
+``forget`` uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from inferscale import failpoints
+from inferscale.db.queries import (
+    ClaimedTurn,
+    NewFact,
+    claim_unextracted_turns,
+    nearest_live_facts,
+    record_extraction,
+)
+from inferscale.embedder import Embedder
+from inferscale.extract import Draft, Extractor, TurnInContext
+from inferscale.kvstore import KVStore
+from inferscale.memory_update import Decide, NewDraft, UpdatePlan, plan_updates
+from inferscale.retry import is_transient_db_error, retry_transient
+from inferscale.settings import Settings
+from workers import observe
+
+log = logging.getLogger("inferscale.extract")
+
+Invalidate = Callable[[str, list[str]], Awaitable[None]]  # (user, blob locations)
+
+
+@dataclass
+class ExtractStats:
+    """Counters of one extract stage."""
+
+    turns: int = 0
+    facts: int = 0
+    retired: int = 0
+    batches: int = 0
+
+
+class ExtractWorker:
+    """Polls for unextracted turns (woken early by ingest) and extracts them in batches."""
+
+    def __init__(self, settings: Settings, engine: AsyncEngine, embedder: Embedder,
+                 extractor: Extractor, decide: Decide | None = None, store: KVStore | None = None,
+                 invalidate: Invalidate | None = None, wake: asyncio.Event | None = None,
+                 extracted: asyncio.Event | None = None, poll_s: float = 1.0):
+        self.settings = settings
+        self.engine = engine
+        self.embedder = embedder
+        self.extractor = extractor
+        self.decide = decide  # None: every new fact is an ADD
+        self.store = store
+        self.invalidate = invalidate
+        self.wake = wake or asyncio.Event()
+        self.extracted = extracted  # set after facts are stored (wakes the encode stage)
+        self.poll_s = poll_s
+        self.stats = ExtractStats()
+        self._stop = asyncio.Event()
+        self._drain = False
+
+    def request_stop(self) -> None:
+        """Finish the current batch and stop."""
+        self._stop.set()
+        self.wake.set()
+
+    def request_drain(self) -> None:
+        """Stop once no turn is left to extract."""
+        self._drain = True
+        self.wake.set()
+
+    async def run(self, drain: bool = False) -> ExtractStats:
+        """Extract until stopped (or, with ``drain``, until no turn is left)."""
+        while not self._stop.is_set():
+            try:
+                handled = await self.extract_pending()
+            except Exception as exc:
+                if not is_transient_db_error(exc):
+                    raise
+                log.warning("database unavailable (%s); retrying", type(exc).__name__)
+                await asyncio.sleep(1.0)
+                continue
+            if handled:
+                continue
+            if drain or self._drain:
+                break
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.poll_s)
+            except TimeoutError:
+                pass
+        return self.stats
+
+    async def extract_pending(self) -> int:
+        """Extract one batch of leased turns; returns how many turns it handled."""
+        s = self.settings
+        async with self.engine.begin() as conn:
+            claimed = await claim_unextracted_turns(conn, s.extract_batch_size,
+                                                    s.extract_lease_s, s.extract_context_turns)
+        if not claimed:
+            return 0
+        loop = asyncio.get_running_loop()
+        with observe.BATCH_SECONDS.labels("extract").time():
+            turns = [TurnInContext(t.speaker, t.text, t.ts, t.context) for t in claimed]
+            drafts = await loop.run_in_executor(None, self.extractor.extract, turns)
+            failpoints.hit("extract.after_model")
+            flat = [(t, ordinal, d) for t, ds in zip(claimed, drafts, strict=True)
+                    for ordinal, d in enumerate(ds)]
+            vectors = await loop.run_in_executor(
+                None, self.embedder.encode, [d.text for _, _, d in flat])
+            plan = await self._plan(flat, vectors)
+            new_facts = [_new_fact(*flat[i], vectors[i]) for i in plan.keep]
+            position = {i: n for n, i in enumerate(plan.keep)}  # batch index -> new_facts index
+            retire = [replace(r, by=position[r.by]) if r.by is not None else r
+                      for r in plan.retire]
+
+            async def record() -> tuple[int, list[tuple[str, str | None]]]:
+                async with self.engine.begin() as conn:
+                    stored = await record_extraction(conn, claimed, new_facts, retire)
+                    failpoints.hit("extract.before_db_commit")
+                return stored
+
+            stored, retired = await retry_transient(record, self._db_retry)
+        await self._drop_blobs(retired)
+        self.stats.batches += 1
+        self.stats.turns += len(claimed)
+        self.stats.facts += stored
+        self.stats.retired += len(retired)
+        observe.TURNS_EXTRACTED.inc(len(claimed))
+        observe.FACTS_STORED.inc(stored)
+        observe.FACTS_RETIRED.inc(len(retired))
+        if self.extracted is not None and stored:
+            self.extracted.set()
+        return len(claimed)
+
+    async def _plan(self, flat: list[tuple[ClaimedTurn, int, Draft]],
+                    vectors: np.ndarray) -> UpdatePlan:
+        """ADD everything, or decide each new fact against its user's nearest stored facts."""
+        if self.decide is None or not flat:
+            return UpdatePlan(keep=list(range(len(flat))))
+        n = self.settings.update_candidates
+        stored: list = [None] * len(flat)
+        async with self.engine.connect() as conn:
+            for user in dict.fromkeys(t.user_id for t, _, _ in flat):
+                mine = [i for i, (t, _, _) in enumerate(flat) if t.user_id == user]
+                near = await nearest_live_facts(conn, user, [vectors[i] for i in mine], n)
+                for i, facts in zip(mine, near, strict=True):
+                    stored[i] = facts
+        drafts = [NewDraft(t.user_id, d.text, np.asarray(vectors[i], dtype=np.float32))
+                  for i, (t, _, d) in enumerate(flat)]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, plan_updates, drafts, stored, self.decide, n)
+
+    async def _drop_blobs(self, retired: list[tuple[str, str | None]]) -> None:
+        """Remove retired facts' blobs from the durable tier and every server's memory."""
+        by_user: dict[str, list[str]] = {}
+        for user, location in retired:
+            if location:
+                by_user.setdefault(user, []).append(location)
+        for user, locations in by_user.items():
+            if self.store is not None:
+                await asyncio.to_thread(self.store.delete, locations)
+            if self.invalidate is not None:
+                await self.invalidate(user, locations)
+
+    def _db_retry(self, exc: BaseException, delay: float) -> None:
+        if self._stop.is_set():
+            raise exc
+        log.warning("database unavailable (%s); recording the batch again in %.1fs",
+                    type(exc).__name__, delay)
+
+
+def _new_fact(turn: ClaimedTurn, ordinal: int, draft: Draft, vector) -> NewFact:
+    return NewFact(user_id=turn.user_id, conversation_id=turn.conversation_id,
+                   turn_ids=(turn.turn_id,), ordinal=ordinal, extractor=draft.extractor,
+                   text=draft.text, ts=turn.ts, embedding=vector.tolist())
