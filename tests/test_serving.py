@@ -356,3 +356,59 @@ async def test_forget_from_the_cli_reaches_the_running_server(served, smol, cfg,
         await asyncio.sleep(0.5)
     assert _metric(served, "inferscale_purged_blobs_total") == purged_before + 2
     assert served.chat(user, "What telescope does Hal use?").headers["x-inferscale-facts"] == "0"
+
+
+async def test_memory_that_changes_is_served_as_it_is_now(served, smol, cfg, engine, embedder):
+    """Ana's city changes twice (the update step decides UPDATE, scripted here as the llm
+    extractor's decider would answer): each answer injects only the current fact, and each
+    replaced fact's KV leaves the durable tier and the server's memory tiers (purged through
+    the invalidation topic, as a forget's are)."""
+    from helpers import extract_all
+    from inferscale.invalidation import publish_invalidation
+    from inferscale.memory_update import Decision
+    from workers.ingest import IngestWorker
+
+    encoder, store = smol
+    user = f"moves-{uuid.uuid4().hex[:6]}"
+
+    def decide(items):
+        return [Decision("UPDATE", 0) if "moved" in new else Decision("ADD") for new, _ in items]
+
+    async def invalidate(owner, locations):
+        await publish_invalidation(cfg.kafka_bootstrap, cfg.invalidation_topic, owner, locations)
+
+    async def say(turn_id: str, text: str, day: int) -> tuple[int, str]:
+        await ensure_topics(cfg.kafka_bootstrap, [cfg.turns_topic])
+        await publish_turns(cfg.kafka_bootstrap, cfg.turns_topic,
+                            [turn(user, turn_id, "Ana", text, day=day)], progress=False)
+        await IngestWorker(cfg, cfg.kafka_bootstrap, engine).run(drain=True)
+        await extract_all(cfg, engine, embedder, decide=decide, store=store,
+                          invalidate=invalidate)
+        await EncodeWorker(cfg, engine, encoder, store).run(drain=True)
+        async with engine.connect() as conn:
+            row = (await conn.execute(select(facts.c.id, facts.c.kv_location).where(
+                facts.c.user_id == user, facts.c.deleted_at.is_(None)))).one()
+        return row.id, row.kv_location
+
+    question = "Which city does Ana live in?"
+    history = [await say("t1", "I live in Paris, near the Louvre.", 1)]
+    for turn_id, text, day in (("t2", "I moved to Lisbon, by the river.", 2),
+                               ("t3", "I moved again, to Porto.", 3)):
+        served_now = served.chat(user, question, k=3)
+        assert served_now.headers["x-inferscale-fact-ids"] == str(history[-1][0])
+        assert served_now.headers["x-inferscale-facts-injected"] == "1"  # now in the host tier
+        purged_before = _metric(served, "inferscale_purged_blobs_total")
+        history.append(await say(turn_id, text, day))
+        assert not (store.root / history[-2][1]).exists()  # the durable blob is gone
+        for _ in range(120):
+            if _metric(served, "inferscale_purged_blobs_total") > purged_before:
+                break
+            await asyncio.sleep(0.5)
+        assert _metric(served, "inferscale_purged_blobs_total") == purged_before + 1
+    final = served.chat(user, question, k=3)
+    assert final.headers["x-inferscale-fact-ids"] == str(history[-1][0])
+    async with engine.connect() as conn:
+        chain = dict((await conn.execute(select(facts.c.id, facts.c.superseded_by).where(
+            facts.c.user_id == user))).all())
+    assert chain == {history[0][0]: history[1][0], history[1][0]: history[2][0],
+                     history[2][0]: None}

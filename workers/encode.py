@@ -31,7 +31,7 @@ from inferscale.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.fingerprint import model_fingerprint
 from inferscale.kvstore import KVStore
 from inferscale.model_prep import resolve_model_path
-from inferscale.retry import is_transient_db_error, retry_transient
+from inferscale.retry import retry_transient
 from inferscale.settings import Settings
 from workers import observe
 
@@ -94,7 +94,6 @@ class EncodeWorker:
         swept = await loop.run_in_executor(None, self.store.sweep_temp)
         if swept:
             log.warning("removed %d half-written KV temp files of dead writers", swept)
-        delay = 0.2
         while not self._stop.is_set():
             if not preamble_ready:
                 try:
@@ -102,18 +101,13 @@ class EncodeWorker:
                     preamble_ready = True
                 except OSError as exc:  # the durable tier is failing; retried next round
                     log.warning("cannot store the preamble KV: %s", exc)
+            began = time.monotonic()
             try:
-                began = time.monotonic()
-                handled = await self.encode_pending()
-                delay = 0.2
-            except Exception as exc:
-                if not is_transient_db_error(exc):
-                    raise
-                log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__,
-                            delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
-                continue
+                handled = await retry_transient(self.encode_pending, self._db_retry)
+            except Exception:
+                if self._stop.is_set():  # the database is down and we are asked to stop
+                    break
+                raise
             if handled:
                 await self._rest(time.monotonic() - began)
                 continue
@@ -177,11 +171,10 @@ class EncodeWorker:
         return gone
 
     def _db_retry(self, exc: BaseException, delay: float) -> None:
-        """Keep the encoded blobs' outcomes while the database restarts, unless stopping."""
+        """Wait for the database while it restarts, unless stopping."""
         if self._stop.is_set():
             raise exc
-        log.warning("database unavailable (%s); recording the batch again in %.1fs",
-                    type(exc).__name__, delay)
+        log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
 
     def _encode_and_store(self, pending: list[PendingFact]
                           ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:

@@ -30,7 +30,7 @@ from inferscale.embedder import Embedder
 from inferscale.extract import Draft, Extractor, TurnInContext
 from inferscale.kvstore import KVStore
 from inferscale.memory_update import Decide, NewDraft, UpdatePlan, plan_updates
-from inferscale.retry import is_transient_db_error, retry_transient
+from inferscale.retry import retry_transient
 from inferscale.settings import Settings
 from workers import observe
 
@@ -84,13 +84,11 @@ class ExtractWorker:
         """Extract until stopped (or, with ``drain``, until no turn is left)."""
         while not self._stop.is_set():
             try:
-                handled = await self.extract_pending()
-            except Exception as exc:
-                if not is_transient_db_error(exc):
-                    raise
-                log.warning("database unavailable (%s); retrying", type(exc).__name__)
-                await asyncio.sleep(1.0)
-                continue
+                handled = await retry_transient(self.extract_pending, self._db_retry)
+            except Exception:
+                if self._stop.is_set():  # the database is down and we are asked to stop
+                    break
+                raise
             if handled:
                 continue
             if drain or self._drain:
@@ -177,8 +175,7 @@ class ExtractWorker:
     def _db_retry(self, exc: BaseException, delay: float) -> None:
         if self._stop.is_set():
             raise exc
-        log.warning("database unavailable (%s); recording the batch again in %.1fs",
-                    type(exc).__name__, delay)
+        log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
 
 
 def _new_fact(turn: ClaimedTurn, ordinal: int, draft: Draft, vector) -> NewFact:

@@ -9,7 +9,6 @@ reason in a header; no record can stop the worker.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,7 +23,7 @@ from inferscale import failpoints
 from inferscale.db.queries import StoredTurn, lock_users, tombstones, upsert_turns
 from inferscale.events import InvalidEvent, TurnEvent, parse_record
 from inferscale.kafka import ensure_topics, make_producer
-from inferscale.retry import MAX_DELAY_S, is_transient_db_error, retry_transient
+from inferscale.retry import is_transient_db_error, retry_transient
 from inferscale.settings import Settings
 from workers import observe
 
@@ -128,8 +127,10 @@ class IngestWorker:
         unreachable (a worker started during a broker restart waits instead of crash-looping).
         None when asked to stop first."""
         s = self.settings
-        delay = 0.5
-        while not self._stop.is_set():
+
+        async def start() -> tuple[AIOKafkaConsumer, AIOKafkaProducer] | None:
+            if self._stop.is_set():
+                return None
             consumer = AIOKafkaConsumer(
                 s.turns_topic, bootstrap_servers=self.bootstrap, group_id=s.consumer_group,
                 enable_auto_commit=False, auto_offset_reset="earliest",
@@ -143,14 +144,16 @@ class IngestWorker:
                 await producer.start()
                 await consumer.start()
                 return consumer, producer
-            except KafkaConnectionError as exc:
-                log.warning("broker unreachable (%s); retrying in %.1fs", exc, delay)
+            except KafkaConnectionError:
                 await producer.stop()
                 await consumer.stop()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)
-                delay = min(delay * 2, MAX_DELAY_S)
-        return None
+                raise
+
+        def unreachable(exc: BaseException, delay: float) -> None:
+            log.warning("broker unreachable (%s); retrying in %.1fs", exc, delay)
+
+        return await retry_transient(start, unreachable,
+                                     lambda exc: isinstance(exc, KafkaConnectionError))
 
     async def _apply_back_pressure(self, consumer: AIOKafkaConsumer) -> None:
         """Pause every assigned partition while the encode backlog is over its limit; resume

@@ -109,7 +109,9 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        ready.cancel()
+        for task in (extracting, encoding, ready):  # none outlives the worker (cancelled too)
+            task.cancel()
+        await asyncio.gather(extracting, encoding, ready, return_exceptions=True)
         await health.stop()
         await engine.dispose()
     return {"ingest": ingest.stats.__dict__, "extract": extract.stats.__dict__,
