@@ -152,6 +152,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.bench import load
 
         load.run(settings, data, out)
+    elif args.which == "extract":
+        from inferscale.bench import extract
+
+        extract.run(resolve_model_path(settings), data, out, turns=args.n)
     return 0
 
 
@@ -232,12 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
-                                            "load"])
+                                            "load", "extract"])
     p.add_argument("--data", default=str(Path(__file__).parent / "data" /
                                          "sample_conversation.json"),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
-    p.add_argument("-n", type=int, default=20, help="facts / queries per configuration")
+    p.add_argument("-n", type=int, default=20,
+                   help="facts / queries / turns (extract) per configuration")
     p.add_argument("--k", type=int, nargs="+", default=[0, 5, 10, 20, 50],
                    help="ttft: facts retrieved per question")
     p.set_defaults(func=_bench)

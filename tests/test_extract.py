@@ -293,3 +293,32 @@ def _kv():
     import torch
 
     return torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4), [1, 2, 3]
+
+
+async def test_llm_extraction_on_the_real_model_keeps_every_turn(settings, engine, embedder,
+                                                                 smollm2_dir):
+    """INFERSCALE_EXTRACTOR=llm as the worker wires it (SmolLM2 shared with the encoder): every
+    turn is extracted, every fact is dated and traced to its turn, whatever the model says."""
+    from inferscale.encoder import FactEncoder
+    from workers import run
+
+    await extract_all(settings, engine, embedder)  # other tests' leftovers, with the turn one
+    user = f"llm-{uuid.uuid4().hex[:6]}"
+    said = [turn(user, "t1", "Ana", "I just adopted a grey cat called Miso.", day=1),
+            turn(user, "t2", "Ana", "I work night shifts as a nurse at the city hospital.", 2),
+            turn(user, "t3", "Ana", "ok, thanks!", day=3)]
+    await _ingest(settings, engine, said)
+    cfg = settings.model_copy(update={"extractor": "llm", "model_path": smollm2_dir})
+    encoder = FactEncoder(smollm2_dir, device="cpu")
+    extractor, decide = run.extraction(cfg, encoder)
+    await extract_all(cfg, engine, embedder, extractor=extractor, decide=decide)
+    async with engine.connect() as conn:
+        extracted = (await conn.execute(select(turns.c.turn_id).where(
+            turns.c.user_id == user, turns.c.extracted_at.is_not(None)))).scalars().all()
+        rows = (await conn.execute(select(facts.c.text, facts.c.turn_ids, facts.c.extractor)
+                                   .where(facts.c.user_id == user))).all()
+    assert sorted(extracted) == ["t1", "t2", "t3"]
+    days = {"t1": "1 May 2025 ", "t2": "2 May 2025 ", "t3": "3 May 2025 "}
+    for row in rows:
+        assert len(row.turn_ids) == 1 and row.text.startswith(days[row.turn_ids[0]])
+        assert row.extractor in ("llm", "turn")  # "turn": the model's answer was unusable
