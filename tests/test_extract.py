@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import numpy as np
@@ -322,3 +323,28 @@ async def test_llm_extraction_on_the_real_model_keeps_every_turn(settings, engin
     for row in rows:
         assert len(row.turn_ids) == 1 and row.text.startswith(days[row.turn_ids[0]])
         assert row.extractor in ("llm", "turn")  # "turn": the model's answer was unusable
+
+
+async def test_bench_progress_counts_any_number_of_facts_per_turn(settings, engine, embedder):
+    """`bench load` waits per turn: a turn is encoded once all its live facts have KV (a turn
+    without facts, once extracted)."""
+    from inferscale.bench.load import TURN_PROGRESS
+
+    prefix = f"progress-{uuid.uuid4().hex[:6]}"
+    user = f"{prefix}-0"
+    await _ingest(settings, engine, [turn(user, "t1", "Kim", "Two facts."),
+                                     turn(user, "t2", "Kim", "No facts.")])
+
+    class TwoOrNone(Recorder):
+        def extract(self, turns_):
+            return [[] if t.text == "No facts." else [d, replace(d, text=d.text + " Again.")]
+                    for t, (d,) in zip(turns_, TurnExtractor().extract(turns_), strict=True)]
+
+    await extract_all(settings, engine, embedder, extractor=TwoOrNone())
+    async with engine.begin() as conn:
+        first = await conn.scalar(select(facts.c.id).where(facts.c.user_id == user).limit(1))
+        await conn.execute(facts.update().where(facts.c.id == first).values(
+            encoded_at=TS, kv_location="x"))
+        rows = {r.turn_id: r for r in await conn.execute(TURN_PROGRESS, {"users": f"{prefix}-%"})}
+    assert rows["t1"].facts == 2 and rows["t1"].encoded_at is None  # one of two encoded
+    assert rows["t2"].facts == 0 and rows["t2"].encoded_at == rows["t2"].created_at is not None

@@ -30,15 +30,18 @@ async def _one_run(settings: Settings, events, timeout_s: float) -> dict:
         await publish_turns(settings.kafka_bootstrap, settings.turns_topic, events,
                             progress=False)
         stored_at = encoded_at = None
+        n_encoded = 0
         while time.perf_counter() - t0 < timeout_s:
             async with engine.connect() as conn:
-                n_turns = await conn.scalar(select(func.count()).where(
-                    turns.c.user_id.in_(users)))
-                n_encoded = await conn.scalar(select(func.count()).where(
-                    facts.c.user_id.in_(users), facts.c.kv_location.is_not(None)))
+                n_turns, n_extracted = (await conn.execute(select(
+                    func.count(), func.count(turns.c.extracted_at)).where(
+                    turns.c.user_id.in_(users)))).one()
+                n_facts, n_encoded = (await conn.execute(select(
+                    func.count(), func.count(facts.c.kv_location)).where(
+                    facts.c.user_id.in_(users), facts.c.deleted_at.is_(None)))).one()
             if stored_at is None and n_turns >= len(events):
                 stored_at = time.perf_counter() - t0
-            if n_encoded >= len(events):
+            if n_extracted >= len(events) and n_encoded >= n_facts:  # any facts per turn
                 encoded_at = time.perf_counter() - t0
                 break
             await asyncio.sleep(0.25)
@@ -51,7 +54,7 @@ async def _one_run(settings: Settings, events, timeout_s: float) -> dict:
         await engine.dispose()
     return {"turns": len(events), "stored_s": stored_at, "encoded_s": encoded_at,
             "turns_per_s": len(events) / stored_at if stored_at else None,
-            "facts_encoded_per_s": len(events) / encoded_at if encoded_at else None,
+            "facts_encoded_per_s": n_encoded / encoded_at if encoded_at else None,
             "publish_to_stored_p50_s": percentile(latencies, 50),
             "publish_to_stored_p95_s": percentile(latencies, 95)}
 

@@ -16,13 +16,12 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import text
 
 from inferscale.bench.common import percentile, print_table, write_report
 from inferscale.bench.throughput import poisson_load
 from inferscale.bench.ttft import ingest_user, prepare_user
 from inferscale.db.engine import create_engine
-from inferscale.db.tables import facts
 from inferscale.events import TurnEvent
 from inferscale.kafka import make_producer
 from inferscale.settings import Settings
@@ -80,16 +79,14 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
         deadline = time.monotonic() + drain_s
         while True:  # let the backlog finish, so freshness covers every generated turn
             async with engine.connect() as conn:
-                rows = (await conn.execute(select(
-                    facts.c.user_id, facts.c.turn_ids, facts.c.created_at, facts.c.encoded_at)
-                    .where(facts.c.user_id.like(f"{prefix}-%")))).all()
+                rows = (await conn.execute(TURN_PROGRESS, {"users": f"{prefix}-%"})).all()
             if (len(rows) == sent and all(r.encoded_at for r in rows)) or (
                     time.monotonic() > deadline):
                 break
             await asyncio.sleep(2)
     finally:
         await engine.dispose()
-    by_turn = {(r.user_id, r.turn_ids[0]): r for r in rows}
+    by_turn = {(r.user_id, r.turn_id): r for r in rows}
     results = []
     for phase in phases:
         stored, encoded, missing = [], [], 0
@@ -97,11 +94,11 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
             row = by_turn.get(key)
             if row is None or row.encoded_at is None:
                 missing += 1
-            if row is not None:
+            if row is not None and row.created_at is not None:
                 stored.append(row.created_at.timestamp() - at)
             if row is not None and row.encoded_at is not None:
                 encoded.append(row.encoded_at.timestamp() - at)
-        encoded_in_phase = sum(1 for r in rows if r.encoded_at and phase["began"]
+        encoded_in_phase = sum(r.facts for r in rows if r.encoded_at and phase["began"]
                                <= r.encoded_at.timestamp() <= phase["ended"])
         ok = [t for t in phase["ttfts"] if t is not None]
         results.append({
@@ -115,6 +112,20 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
         })
         print(json.dumps(results[-1]), flush=True)
     return results
+
+
+# Per turn: when its facts were stored (usable as text) and when the last of them got its KV
+# (a turn without facts counts as encoded when extracted); any number of facts per turn.
+TURN_PROGRESS = text("""
+    SELECT t.user_id, t.turn_id, t.extracted_at AS created_at, count(f.id) AS facts,
+           CASE WHEN count(f.id) = 0 THEN t.extracted_at
+                WHEN bool_and(f.encoded_at IS NOT NULL) THEN max(f.encoded_at) END AS encoded_at
+    FROM turns t LEFT JOIN facts f
+      ON f.user_id = t.user_id AND f.conversation_id = t.conversation_id
+     AND t.turn_id = ANY(f.turn_ids) AND f.deleted_at IS NULL
+    WHERE t.user_id LIKE :users
+    GROUP BY t.user_id, t.turn_id, t.extracted_at
+""")
 
 
 def run(settings: Settings, data: Path, out_dir: Path,
