@@ -7,7 +7,9 @@ cleanup, no flush, like a power cut) or ``error:ENOSPC`` / ``error:EACCES`` (rai
 (a poison input). Example: ``INFERSCALE_FAILPOINTS="kv.mid_write=kill@0.02"``. Unarmed points
 cost one dict lookup.
 
-Points: ``ingest.before_db_commit``, ``ingest.before_offset_commit``, ``kv.mid_write`` (half of
+Points: ``ingest.before_db_commit``, ``ingest.before_offset_commit``, ``extract.before_model``
+(a batch of turns about to enter the extractor; its text: the turns' texts),
+``extract.before_db_commit`` (facts extracted, not yet committed), ``kv.mid_write`` (half of
 the blob written to its temp file, not synced), ``kv.before_rename`` (temp file synced, not yet
 renamed), ``encode.before_forward`` (a batch about to enter the model; its text: the facts'
 texts), ``encode.before_db_commit`` (blobs in place, their rows not yet committed).
@@ -20,8 +22,9 @@ import os
 import random
 import signal
 
-POINTS = ("ingest.before_db_commit", "ingest.before_offset_commit", "kv.mid_write",
-          "kv.before_rename", "encode.before_forward", "encode.before_db_commit")
+POINTS = ("ingest.before_db_commit", "ingest.before_offset_commit", "extract.before_model",
+          "extract.before_db_commit", "kv.mid_write", "kv.before_rename",
+          "encode.before_forward", "encode.before_db_commit")
 
 _armed: dict[str, tuple[str, float, str]] = {}  # name -> (action, probability, needle)
 

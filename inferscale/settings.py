@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     extract_batch_size: int = Field(default=16, gt=0)
     extract_context_turns: int = Field(default=3, ge=0)  # preceding turns shown to the model
     extract_lease_s: float = Field(default=300.0, gt=0)
+    # A turn claimed more often than this (its batch kept killing workers or outran its lease)
+    # is kept whole, without the model.
+    extract_max_crashes: int = Field(default=3, ge=1)
     update_candidates: int = Field(default=5, ge=0)  # nearest facts a new fact is compared with
     # The extraction model: an OpenAI-compatible endpoint, or (None) the worker's own model.
     llm_url: str | None = None

@@ -348,3 +348,32 @@ async def test_bench_progress_counts_any_number_of_facts_per_turn(settings, engi
         rows = {r.turn_id: r for r in await conn.execute(TURN_PROGRESS, {"users": f"{prefix}-%"})}
     assert rows["t1"].facts == 2 and rows["t1"].encoded_at is None  # one of two encoded
     assert rows["t2"].facts == 0 and rows["t2"].encoded_at == rows["t2"].created_at is not None
+
+
+async def test_a_turn_that_keeps_killing_the_extractor_is_kept_whole(settings, engine,
+                                                                     embedder):
+    """A poison turn (the model dies on it, with its batch-mates) cannot crash-loop the stage:
+    after extract_max_crashes claims its batch is kept whole, without the model."""
+    user = f"poison-{uuid.uuid4().hex[:6]}"
+    await _ingest(settings, engine, [turn(user, "t1", "Kim", "POISON pill."),
+                                     turn(user, "t2", "Kim", "I grow chillies.")])
+
+    class Poison(Recorder):
+        name = "llm"
+
+        def extract(self, turns_):
+            if any("POISON" in t.text for t in turns_):
+                raise MemoryError("the model died on this batch")
+            return super().extract(turns_)
+
+    cfg = settings.model_copy(update={"extract_lease_s": 0.5, "extract_max_crashes": 2})
+    for _ in range(2):
+        with pytest.raises(MemoryError):
+            await extract_all(cfg, engine, embedder, extractor=Poison())
+        await asyncio.sleep(0.6)
+    await extract_all(cfg, engine, embedder, extractor=Poison())
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(facts.c.text, facts.c.extractor).where(
+            facts.c.user_id == user).order_by(facts.c.id))).all()
+    assert [tuple(r) for r in rows] == [("1 May 2025 Kim: POISON pill.", "turn"),
+                                        ("1 May 2025 Kim: I grow chillies.", "turn")]

@@ -54,7 +54,7 @@ MIN_KILLS = 6
 # What each worker incarnation is armed with, in turn; None: killed at a random moment.
 KILL_PLAN = (None, "ingest.before_db_commit=kill@0.3", "kv.mid_write=kill@0.03",
              "ingest.before_offset_commit=kill@0.3", "kv.before_rename=kill@0.03",
-             "encode.before_db_commit=kill@0.3")
+             "encode.before_db_commit=kill@0.3", "extract.before_db_commit=kill@0.3")
 
 
 @pytest.fixture
@@ -248,6 +248,7 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
     # they encode, so no fact is to blame: no quarantine after a few deaths here.
     env = {**settings_env(cfg), "INFERSCALE_KAFKA_SESSION_TIMEOUT_MS": "3000",
            "INFERSCALE_LOG_FORMAT": "json", "INFERSCALE_ENCODE_LEASE_S": "5",
+           "INFERSCALE_EXTRACT_LEASE_S": "5",
            "INFERSCALE_ENCODE_MAX_CRASHES": "1000"}
     logs = tmp_path / "logs"
     logs.mkdir()

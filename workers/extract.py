@@ -27,7 +27,7 @@ from inferscale.db.queries import (
     record_extraction,
 )
 from inferscale.embedder import Embedder
-from inferscale.extract import Draft, Extractor, TurnInContext
+from inferscale.extract import Draft, Extractor, TurnExtractor, TurnInContext
 from inferscale.kvstore import KVStore
 from inferscale.memory_update import Decide, NewDraft, UpdatePlan, plan_updates
 from inferscale.retry import retry_transient
@@ -110,14 +110,13 @@ class ExtractWorker:
             return 0
         loop = asyncio.get_running_loop()
         with observe.BATCH_SECONDS.labels("extract").time():
-            turns = [TurnInContext(t.speaker, t.text, t.ts, t.context) for t in claimed]
-            drafts = await loop.run_in_executor(None, self.extractor.extract, turns)
-            failpoints.hit("extract.after_model")
+            drafts = await loop.run_in_executor(None, self._extract, claimed)
             flat = [(t, ordinal, d) for t, ds in zip(claimed, drafts, strict=True)
                     for ordinal, d in enumerate(ds)]
             vectors = await loop.run_in_executor(
                 None, self.embedder.encode, [d.text for _, _, d in flat])
-            plan = await self._plan(flat, vectors)
+            plan = await self._plan([f if f[0].claim <= s.extract_max_crashes else None
+                                     for f in flat], vectors)
             new_facts = [_new_fact(*flat[i], vectors[i]) for i in plan.keep]
             position = {i: n for n, i in enumerate(plan.keep)}  # batch index -> new_facts index
             retire = [replace(r, by=position[r.by]) if r.by is not None else r
@@ -142,23 +141,46 @@ class ExtractWorker:
             self.extracted.set()
         return len(claimed)
 
-    async def _plan(self, flat: list[tuple[ClaimedTurn, int, Draft]],
+    def _extract(self, claimed: list[ClaimedTurn]) -> list[list[Draft]]:
+        """Blocking: the extractor's drafts per turn. Turns claimed more than
+        ``extract_max_crashes`` times (their batch kept killing workers, or outran its lease)
+        are kept whole, without the model: no turn can crash-loop the stage."""
+        failpoints.hit("extract.before_model", "\n".join(t.text for t in claimed))
+        limit = self.settings.extract_max_crashes
+        suspect = [t.claim > limit for t in claimed]
+        if any(suspect):
+            log.error("%d turns were claimed more than %d times: kept whole, without the model",
+                      sum(suspect), limit)
+        modelled = iter(self.extractor.extract(
+            [_in_context(t) for t, bad in zip(claimed, suspect, strict=True) if not bad]))
+        whole = iter(TurnExtractor().extract(
+            [_in_context(t) for t, bad in zip(claimed, suspect, strict=True) if bad]))
+        return [next(whole) if bad else next(modelled) for bad in suspect]
+
+    async def _plan(self, flat: list[tuple[ClaimedTurn, int, Draft] | None],
                     vectors: np.ndarray) -> UpdatePlan:
-        """ADD everything, or decide each new fact against its user's nearest stored facts."""
-        if self.decide is None or not flat:
+        """ADD everything, or decide each new fact (None: add it unasked) against its user's
+        nearest stored facts."""
+        asked = [i for i, f in enumerate(flat) if f is not None]
+        if self.decide is None or not asked:
             return UpdatePlan(keep=list(range(len(flat))))
         n = self.settings.update_candidates
-        stored: list = [None] * len(flat)
+        stored: list = [None] * len(asked)
         async with self.engine.connect() as conn:
-            for user in dict.fromkeys(t.user_id for t, _, _ in flat):
-                mine = [i for i, (t, _, _) in enumerate(flat) if t.user_id == user]
-                near = await nearest_live_facts(conn, user, [vectors[i] for i in mine], n)
-                for i, facts in zip(mine, near, strict=True):
-                    stored[i] = facts
-        drafts = [NewDraft(t.user_id, d.text, np.asarray(vectors[i], dtype=np.float32))
-                  for i, (t, _, d) in enumerate(flat)]
+            for user in dict.fromkeys(flat[i][0].user_id for i in asked):
+                mine = [j for j, i in enumerate(asked) if flat[i][0].user_id == user]
+                near = await nearest_live_facts(conn, user, [vectors[asked[j]] for j in mine],
+                                                n)
+                for j, facts in zip(mine, near, strict=True):
+                    stored[j] = facts
+        drafts = [NewDraft(flat[i][0].user_id, flat[i][2].text,
+                           np.asarray(vectors[i], dtype=np.float32)) for i in asked]
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, plan_updates, drafts, stored, self.decide, n)
+        plan = await loop.run_in_executor(None, plan_updates, drafts, stored, self.decide, n)
+        unasked = [i for i, f in enumerate(flat) if f is None]
+        return UpdatePlan(keep=sorted([asked[j] for j in plan.keep] + unasked),
+                          retire=[replace(r, by=asked[r.by]) if r.by is not None else r
+                                  for r in plan.retire])
 
     async def _drop_blobs(self, retired: list[tuple[str, str | None]]) -> None:
         """Remove retired facts' blobs from the durable tier and every server's memory."""
@@ -176,6 +198,10 @@ class ExtractWorker:
         if self._stop.is_set():
             raise exc
         log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
+
+
+def _in_context(turn: ClaimedTurn) -> TurnInContext:
+    return TurnInContext(turn.speaker, turn.text, turn.ts, turn.context)
 
 
 def _new_fact(turn: ClaimedTurn, ordinal: int, draft: Draft, vector) -> NewFact:
