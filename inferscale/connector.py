@@ -151,7 +151,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         for segment in plan.segments:
             if segment.end > limit or prompt[segment.start:segment.end] != segment.token_ids:
                 break
-            if not (self._store.root / self._store.location_for(segment.name)).exists():
+            if not self._store.exists(segment.name):
                 break
             segments.append(segment)
         end = segments[-1].end if segments else 0
@@ -263,7 +263,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         for segment in spec.segments:
             if segment.end <= spec.start:
                 continue
-            blob = self._store.get(self._store.location_for(segment.name), segment.checksum)
+            blob = self._store.load(segment.name, segment.checksum)
             if blob.token_ids != segment.token_ids:
                 raise ValueError(f"blob {segment.name} does not match the prompt tokens")
             if blob.k.dtype != self._dtype or (blob.k.shape[0], *blob.k.shape[2:]) != (

@@ -190,10 +190,8 @@ def load_encoder(settings: Settings) -> FactEncoder:
                        dtype=compute_dtype(settings.encode_dtype))
 
 
-def ensure_preamble(encoder: FactEncoder, store: KVStore) -> str:
-    """Encode and store the preamble KV once per model; returns its location."""
-    location = store.location_for(PREAMBLE)
-    if not (store.root / location).exists():
+def ensure_preamble(encoder: FactEncoder, store: KVStore) -> None:
+    """Encode and store the preamble KV once per model."""
+    if not store.exists(PREAMBLE):
         span = encoder.encode_preamble()
         store.put(PREAMBLE, span.k, span.v, span.token_ids, window=0)
-    return location

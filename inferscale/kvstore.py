@@ -1,17 +1,15 @@
 """Tiered store of per-fact KV blobs: durable directory -> host-RAM LRU -> device hot cache.
 
-Blob (safetensors): ``k`` (pre-RoPE) and ``v`` as ``[layers, tokens, kv_heads, head_dim]`` in the
-model dtype, ``token_ids`` (int32), metadata: model fingerprint, window, dtype, shape, checksum.
-Durable writes are atomic (temp file, fsync, rename); checksum and fingerprint are verified when
-a blob is paged in from the durable tier.
+Blobs are named (a fact id, or "preamble") and encoded by ``inferscale.blob``; callers use
+names (``exists``, ``put``, ``load``) or the locations recorded in Postgres (``get``), never
+paths. Durable writes are atomic (temp file, fsync, rename); checksum and fingerprint are
+verified when a blob is paged in from the durable tier.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -19,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save
 
 from inferscale import failpoints
+from inferscale.blob import KVBlob, decode_blob, encode_blob
 from inferscale.metrics import KV_METRICS
 from inferscale.procs import pid_alive
 
@@ -49,51 +47,12 @@ class FingerprintMismatch(KVBlobError):
 
 
 @dataclass(frozen=True)
-class KVBlob:
-    """One fact's KV, ready to rotate and inject."""
-
-    k: torch.Tensor  # [layers, tokens, kv_heads, head_dim], keys before RoPE
-    v: torch.Tensor
-    token_ids: list[int]
-    fingerprint: str
-    window: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-
-@dataclass(frozen=True)
 class StoredBlob:
     """Where a blob went and what it weighs (recorded in Postgres)."""
 
     location: str
     nbytes: int
     checksum: str
-
-
-def blob_checksum(k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor) -> str:
-    """sha256 over the raw bytes of K, V and the token ids."""
-    digest = hashlib.sha256()
-    for tensor in (k, v, token_ids):
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
-def _parse_blob(raw: bytes) -> tuple[KVBlob, str | None]:
-    """Decode a blob; the checksum is None when the content does not match its own."""
-    header_len = struct.unpack("<Q", raw[:8])[0]
-    metadata = json.loads(raw[8:8 + header_len])["__metadata__"]
-    tensors = load(raw)
-    k, v, ids = tensors["k"], tensors["v"], tensors["token_ids"]
-    if k.shape != v.shape or k.dim() != 4 or ids.dim() != 1 or k.shape[1] != ids.numel() or (
-            ids.dtype != torch.int32):
-        raise ValueError(f"inconsistent shapes k={tuple(k.shape)} v={tuple(v.shape)} "
-                         f"token_ids={tuple(ids.shape)}")
-    checksum = blob_checksum(k, v, ids)
-    blob = KVBlob(k=k, v=v, token_ids=ids.tolist(), fingerprint=str(metadata["fingerprint"]),
-                  window=int(metadata["window"]))
-    return blob, checksum if checksum == metadata["checksum"] else None
 
 
 class ByteLRU:
@@ -163,20 +122,14 @@ class KVStore:
         models = [d.name for d in self.root.iterdir() if d.is_dir()] if self.root.is_dir() else []
         return [self.location_for(name, model) for model in models]
 
+    def exists(self, name: str) -> bool:
+        """Whether this model's durable blob ``name`` exists."""
+        return (self.root / self.location_for(name)).exists()
+
     def put(self, name: str, k: torch.Tensor, v: torch.Tensor, token_ids: list[int],
             window: int) -> StoredBlob:
         """Write a blob durably and atomically; identical rewrites are harmless."""
-        if k.shape != v.shape or k.dim() != 4 or k.shape[1] != len(token_ids):
-            raise ValueError(f"bad KV shape k={tuple(k.shape)} v={tuple(v.shape)} "
-                             f"tokens={len(token_ids)}")
-        k, v = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
-        ids = torch.tensor(token_ids, dtype=torch.int32)
-        checksum = blob_checksum(k, v, ids)
-        metadata = {
-            "fingerprint": self.fingerprint, "window": str(window), "checksum": checksum,
-            "dtype": str(k.dtype).removeprefix("torch."), "shape": ",".join(map(str, k.shape)),
-        }
-        data = save({"k": k, "v": v, "token_ids": ids}, metadata=metadata)
+        data, checksum = encode_blob(k, v, token_ids, self.fingerprint, window)
         location = self.location_for(name)
         path = self.root / location
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +154,7 @@ class KVStore:
         except FileNotFoundError:
             raise BlobMissing(location, "no such blob") from None
         try:
-            blob, checksum = _parse_blob(raw)
+            blob, checksum = decode_blob(raw)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt blob
             raise ChecksumMismatch(location, f"unreadable blob: {exc}") from None
         if blob.fingerprint != self.fingerprint:
@@ -243,6 +196,10 @@ class KVStore:
                           window=blob.window)
             self.hot.put(location, blob)
         return blob
+
+    def load(self, name: str, expected_checksum: str | None = None) -> KVBlob:
+        """This model's blob ``name``, through the tiers (see ``get``)."""
+        return self.get(self.location_for(name), expected_checksum)
 
     def evict(self, locations: list[str]) -> int:
         """Drop blobs from the memory tiers (host, device); returns how many were held."""

@@ -34,7 +34,7 @@ def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
     from inferscale.kvstore import KVStore
 
     store = KVStore(settings.kv_path, model_fingerprint(model_path), host_bytes=0)
-    if not (store.root / store.location_for(PREAMBLE)).exists():
+    if not store.exists(PREAMBLE):
         ensure_preamble(load_encoder(settings.model_copy(update={"model_path": model_path})),
                         store)
 

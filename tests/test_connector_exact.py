@@ -77,7 +77,7 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     async with engine.connect() as conn:
         fact_id = (await conn.execute(select(facts.c.id).where(
             facts.c.user_id == poisoned))).scalar_one()
-    blob = store.get(store.location_for(str(fact_id)))
+    blob = store.load(str(fact_id))
     stored = store.put(str(fact_id), blob.k, blob.v * 3.0, blob.token_ids, window=0)
     async with engine.begin() as conn:
         await conn.execute(facts.update().where(facts.c.id == fact_id).values(

@@ -6,12 +6,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hostile import tried
+from inferscale.blob import KVBlob
 from inferscale.kvstore import (
     BlobMissing,
     ByteLRU,
     ChecksumMismatch,
     FingerprintMismatch,
-    KVBlob,
     KVBlobError,
     KVStore,
 )
@@ -27,7 +27,10 @@ def _kv(tokens=5, seed=0):
 def test_round_trip_and_tiers(tmp_path):
     store = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
     k, v = _kv()
+    assert not store.exists("42")
     stored = store.put("42", k, v, [1, 2, 3, 4, 5], window=5)
+    assert store.exists("42") and not store.exists("43")
+    assert torch.equal(store.load("42", stored.checksum).v, v)  # by name, through the tiers
     assert (tmp_path / stored.location).exists() and stored.nbytes > k.nbytes + v.nbytes
     assert not list(tmp_path.rglob("*.tmp"))
     fresh = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)

@@ -201,7 +201,7 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
         path.write_bytes(bytes(raw))
         break
     other = KVStore(store.root / "other", "0" * 64, host_bytes=0)
-    blob = store.get(store.location_for("preamble"))
+    blob = store.load("preamble")
     moved = other.put(str(rows[1].id), blob.k, blob.v, blob.token_ids, window=0)
     (store.root / rows[1].kv_location).write_bytes((other.root / moved.location).read_bytes())
     failures_before = _metric(served, "inferscale_kv_load_failures_total")
