@@ -16,6 +16,10 @@ from typing import Protocol
 from inferscale.llm import JsonGenerator
 
 MAX_FACT_CHARS = 300
+# What the model reads of a turn and of each context turn (a turn may hold 16 KiB): the
+# prompt stays within a small model's context; the turn itself is stored whole.
+MAX_TURN_CHARS = 4000
+MAX_CONTEXT_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -82,10 +86,11 @@ EXTRACT_SYSTEM = (
 
 def extract_prompt(turn: TurnInContext) -> list[dict[str, str]]:
     """Chat messages asking for one turn's facts."""
-    earlier = "\n".join(turn.context) or "(none)"
+    earlier = "\n".join(c[:MAX_CONTEXT_CHARS] for c in turn.context) or "(none)"
     return [{"role": "system", "content": EXTRACT_SYSTEM},
             {"role": "user", "content": f"Earlier messages:\n{earlier}\n\nNew message "
-                                        f"({day(turn.ts)}):\n{turn.speaker}: {turn.text}"}]
+                                        f"({day(turn.ts)}):\n{turn.speaker}: "
+                                        f"{turn.text[:MAX_TURN_CHARS]}"}]
 
 
 class LLMExtractor:
