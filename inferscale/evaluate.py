@@ -243,7 +243,8 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
     report = {"data": str(data), "questions": len(items), "ks": list(ks), "windows": list(windows),
               "contexts": list(contexts), "recomputes": list(recomputes), "order": order,
               "max_tokens": max_tokens,
-              "max_turns": max_turns, "encode_dtype": settings.encode_dtype, "summary": summary,
+              "max_turns": max_turns, "encode_dtype": settings.encode_dtype,
+              "extractor": settings.extractor, "summary": summary,
               "records": records}
     write_report(out_dir, "eval-fidelity", report)
     return report
