@@ -77,10 +77,9 @@ FACTS_SCHEMA = {
 }
 EXTRACT_SYSTEM = (
     "You keep a personal assistant's memory. From the new message, list the facts worth "
-    "remembering about the people in it: short, self-contained sentences that name the "
-    "person, in the third person (for example \"Caroline moved to Lisbon.\"). Use the earlier "
-    "messages only to resolve who and what is meant. Small talk has no facts: answer an empty "
-    'list. Answer JSON: {"facts": [...]}.'
+    "remembering about the people in it: short, self-contained sentences in the third person "
+    "that name the person. Use the earlier messages only to resolve who and what is meant. "
+    'Small talk has no facts: answer an empty list. Answer JSON: {"facts": [...]}.'
 )
 
 

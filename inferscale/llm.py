@@ -120,7 +120,7 @@ class LocalJsonGenerator:
         cache = None
         for _ in range(max_tokens):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
             alive = set(live)
