@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -32,15 +34,23 @@ def backoff() -> wait_exponential:
 
 async def retry_transient(action: Callable[[], Awaitable[T]],
                           on_retry: Callable[[BaseException, float], None],
-                          transient: Callable[[BaseException], bool] = is_transient_db_error
-                          ) -> T:
+                          transient: Callable[[BaseException], bool] = is_transient_db_error,
+                          stop: asyncio.Event | None = None) -> T:
     """Run ``action`` until it succeeds or fails with a non-transient error; before each retry
-    ``on_retry(error, delay)`` is called (it may raise to give up), then a backoff sleep."""
+    ``on_retry(error, delay)`` is called (it may raise to give up), then a backoff sleep that
+    ``stop`` cuts short (the next attempt, or ``on_retry``, then sees it set)."""
     def before_sleep(state: RetryCallState) -> None:
         on_retry(state.outcome.exception(), state.upcoming_sleep)
 
+    async def sleep(seconds: float) -> None:
+        if stop is None:
+            await asyncio.sleep(seconds)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+
     async for attempt in AsyncRetrying(retry=retry_if_exception(transient), wait=backoff(),
-                                       before_sleep=before_sleep, reraise=True):
+                                       before_sleep=before_sleep, sleep=sleep, reraise=True):
         with attempt:
             return await action()
     raise AssertionError("unreachable: tenacity reraises the last error")

@@ -241,9 +241,9 @@ async def test_duty_cycle_rest_scales_with_busy_time_and_yields_to_stop(settings
     settings = settings.model_copy(update={"encode_duty_cycle": 0.25})
     worker = EncodeWorker(settings, engine, tiny_encoder, KVStore(tmp_path, "f" * 64, 0))
     began = asyncio.get_running_loop().time()
-    await worker._rest(0.1)  # busy 0.1 s at a 25% duty cycle -> rest 0.3 s
+    await worker.after_batch(0.1)  # busy 0.1 s at a 25% duty cycle -> rest 0.3 s
     assert 0.29 <= asyncio.get_running_loop().time() - began < 2
-    resting = asyncio.create_task(worker._rest(3600))
+    resting = asyncio.create_task(worker.after_batch(3600))
     await asyncio.sleep(0.05)
     worker.request_stop()
     await asyncio.wait_for(resting, 5)  # a stop ends the rest at once

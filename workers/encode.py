@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -34,6 +33,7 @@ from inferscale.model_prep import resolve_model_path
 from inferscale.retry import retry_transient
 from inferscale.settings import Settings
 from workers import observe
+from workers.stage import BatchStage
 
 log = logging.getLogger("inferscale.encode")
 
@@ -62,65 +62,43 @@ class EncodeStats:
     batches: int = 0
 
 
-class EncodeWorker:
-    """Polls for unencoded facts (woken early by the ingest stage) and encodes them in batches."""
+class EncodeWorker(BatchStage):
+    """Polls for unencoded facts (woken early by the extract stage) and encodes them in
+    batches."""
 
     def __init__(self, settings: Settings, engine: AsyncEngine, encoder: FactEncoder,
                  store: KVStore, wake: asyncio.Event | None = None, poll_s: float = 1.0):
+        super().__init__(wake, poll_s)
         self.settings = settings
         self.engine = engine
         self.encoder = encoder
         self.store = store
-        self.wake = wake or asyncio.Event()
-        self.poll_s = poll_s
         self.stats = EncodeStats()
-        self._stop = asyncio.Event()
-        self._drain = False
-
-    def request_stop(self) -> None:
-        """Finish the current batch and stop."""
-        self._stop.set()
-        self.wake.set()
-
-    def request_drain(self) -> None:
-        """Stop once nothing is pending any more."""
-        self._drain = True
-        self.wake.set()
+        self._preamble_ready = False
 
     async def run(self, drain: bool = False) -> EncodeStats:
         """Encode until stopped (or, with ``drain``, until nothing is pending)."""
-        loop = asyncio.get_running_loop()
-        preamble_ready = False
-        swept = await loop.run_in_executor(None, self.store.sweep_temp)
+        swept = await asyncio.get_running_loop().run_in_executor(None, self.store.sweep_temp)
         if swept:
             log.warning("removed %d half-written KV temp files of dead writers", swept)
-        while not self._stop.is_set():
-            if not preamble_ready:
-                try:
-                    await loop.run_in_executor(None, ensure_preamble, self.encoder, self.store)
-                    preamble_ready = True
-                except OSError as exc:  # the durable tier is failing; retried next round
-                    log.warning("cannot store the preamble KV: %s", exc)
-            began = time.monotonic()
-            try:
-                handled = await retry_transient(self.encode_pending, self._db_retry)
-            except Exception:
-                if self._stop.is_set():  # the database is down and we are asked to stop
-                    break
-                raise
-            if handled:
-                await self._rest(time.monotonic() - began)
-                continue
-            if drain or self._drain:
-                break
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.poll_s)
-            except TimeoutError:
-                pass
+        await self.run_batches(drain)
         return self.stats
 
-    async def _rest(self, busy_s: float) -> None:
+    async def handle_batch(self) -> int:
+        return await self.encode_pending()
+
+    async def before_batch(self) -> None:
+        """Store the preamble's KV once (retried each round while the durable tier fails)."""
+        if self._preamble_ready:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, ensure_preamble, self.encoder,
+                                                             self.store)
+            self._preamble_ready = True
+        except OSError as exc:
+            log.warning("cannot store the preamble KV: %s", exc)
+
+    async def after_batch(self, busy_s: float) -> None:
         """Idle long enough after a batch that the busy share stays at the duty cycle."""
         duty = self.settings.encode_duty_cycle
         if duty < 1.0:
@@ -169,12 +147,6 @@ class EncodeWorker:
                                             s.encode_retry_max_s)
             failpoints.hit("encode.before_db_commit")
         return gone
-
-    def _db_retry(self, exc: BaseException, delay: float) -> None:
-        """Wait for the database while it restarts, unless stopping."""
-        if self._stop.is_set():
-            raise exc
-        log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
 
     def _encode_and_store(self, pending: list[PendingFact]
                           ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:

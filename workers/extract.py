@@ -33,6 +33,7 @@ from inferscale.memory_update import Decide, NewDraft, UpdatePlan, plan_updates
 from inferscale.retry import retry_transient
 from inferscale.settings import Settings
 from workers import observe
+from workers.stage import BatchStage
 
 log = logging.getLogger("inferscale.extract")
 
@@ -49,13 +50,14 @@ class ExtractStats:
     batches: int = 0
 
 
-class ExtractWorker:
+class ExtractWorker(BatchStage):
     """Polls for unextracted turns (woken early by ingest) and extracts them in batches."""
 
     def __init__(self, settings: Settings, engine: AsyncEngine, embedder: Embedder,
                  extractor: Extractor, decide: Decide | None = None, store: KVStore | None = None,
                  invalidate: Invalidate | None = None, wake: asyncio.Event | None = None,
                  extracted: asyncio.Event | None = None, poll_s: float = 1.0):
+        super().__init__(wake, poll_s)
         self.settings = settings
         self.engine = engine
         self.embedder = embedder
@@ -63,42 +65,16 @@ class ExtractWorker:
         self.decide = decide  # None: every new fact is an ADD
         self.store = store
         self.invalidate = invalidate
-        self.wake = wake or asyncio.Event()
         self.extracted = extracted  # set after facts are stored (wakes the encode stage)
-        self.poll_s = poll_s
         self.stats = ExtractStats()
-        self._stop = asyncio.Event()
-        self._drain = False
-
-    def request_stop(self) -> None:
-        """Finish the current batch and stop."""
-        self._stop.set()
-        self.wake.set()
-
-    def request_drain(self) -> None:
-        """Stop once no turn is left to extract."""
-        self._drain = True
-        self.wake.set()
 
     async def run(self, drain: bool = False) -> ExtractStats:
         """Extract until stopped (or, with ``drain``, until no turn is left)."""
-        while not self._stop.is_set():
-            try:
-                handled = await retry_transient(self.extract_pending, self._db_retry)
-            except Exception:
-                if self._stop.is_set():  # the database is down and we are asked to stop
-                    break
-                raise
-            if handled:
-                continue
-            if drain or self._drain:
-                break
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.poll_s)
-            except TimeoutError:
-                pass
+        await self.run_batches(drain)
         return self.stats
+
+    async def handle_batch(self) -> int:
+        return await self.extract_pending()
 
     async def extract_pending(self) -> int:
         """Extract one batch of leased turns; returns how many turns it handled."""
@@ -193,11 +169,6 @@ class ExtractWorker:
                 await asyncio.to_thread(self.store.delete, locations)
             if self.invalidate is not None:
                 await self.invalidate(user, locations)
-
-    def _db_retry(self, exc: BaseException, delay: float) -> None:
-        if self._stop.is_set():
-            raise exc
-        log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
 
 
 def _in_context(turn: ClaimedTurn) -> TurnInContext:

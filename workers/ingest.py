@@ -153,7 +153,8 @@ class IngestWorker:
             log.warning("broker unreachable (%s); retrying in %.1fs", exc, delay)
 
         return await retry_transient(start, unreachable,
-                                     lambda exc: isinstance(exc, KafkaConnectionError))
+                                     lambda exc: isinstance(exc, KafkaConnectionError),
+                                     stop=self._stop)
 
     async def _apply_back_pressure(self, consumer: AIOKafkaConsumer) -> None:
         """Pause every assigned partition while the encode backlog is over its limit; resume
