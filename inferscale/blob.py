@@ -1,8 +1,8 @@
 """The one KV blob format (safetensors): encode and decode, with its checksum.
 
 ``k`` (pre-RoPE) and ``v`` as ``[layers, tokens, kv_heads, head_dim]`` in the model dtype,
-``token_ids`` (int32); metadata: model fingerprint, window, dtype, shape and the sha256 of K, V
-and the token ids.
+``token_ids`` (int32); metadata: model fingerprint, window, dtype, shape and a checksum of K, V
+and the token ids: BLAKE3 (``checksum_algorithm``), or sha256 in blobs written before it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 
 import torch
+from blake3 import blake3
 from safetensors.torch import load, save
 
 
@@ -31,9 +32,18 @@ class KVBlob:
         return self.k.nbytes + self.v.nbytes
 
 
-def blob_checksum(k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor) -> str:
-    """sha256 over the raw bytes of K, V and the token ids."""
-    digest = hashlib.sha256()
+CHECKSUM_ALGORITHM = "blake3"
+# sha256 reads ~1.5 GB/s here, BLAKE3 ~4 GB/s: verified page-ins from the durable tier are
+# mostly hashing. Blobs without ``checksum_algorithm`` were written with sha256.
+_HASHES = {"blake3": blake3, "sha256": hashlib.sha256}
+
+
+def blob_checksum(k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor,
+                  algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    """Hex digest over the raw bytes of K, V and the token ids."""
+    if algorithm not in _HASHES:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+    digest = _HASHES[algorithm]()
     for tensor in (k, v, token_ids):
         digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
@@ -50,6 +60,7 @@ def encode_blob(k: torch.Tensor, v: torch.Tensor, token_ids: list[int], fingerpr
     checksum = blob_checksum(k, v, ids)
     metadata = {
         "fingerprint": fingerprint, "window": str(window), "checksum": checksum,
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
         "dtype": str(k.dtype).removeprefix("torch."), "shape": ",".join(map(str, k.shape)),
     }
     return save({"k": k, "v": v, "token_ids": ids}, metadata=metadata), checksum
@@ -65,7 +76,7 @@ def decode_blob(raw: bytes) -> tuple[KVBlob, str | None]:
             ids.dtype != torch.int32):
         raise ValueError(f"inconsistent shapes k={tuple(k.shape)} v={tuple(v.shape)} "
                          f"token_ids={tuple(ids.shape)}")
-    checksum = blob_checksum(k, v, ids)
+    checksum = blob_checksum(k, v, ids, metadata.get("checksum_algorithm", "sha256"))
     blob = KVBlob(k=k, v=v, token_ids=ids.tolist(), fingerprint=str(metadata["fingerprint"]),
                   window=int(metadata["window"]))
     return blob, checksum if checksum == metadata["checksum"] else None
