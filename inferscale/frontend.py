@@ -93,7 +93,7 @@ class _Runtime:
         self.settings = settings
         self.layout = MemoryLayout(AutoTokenizer.from_pretrained(model_path))
         self.fingerprint = model_fingerprint(model_path)
-        self.embedder = load_embedder(settings.embedder)
+        self.embedder = load_embedder(settings)
         self.engine = create_engine(settings=settings)
         self.store = KVStore(settings.kv_path, self.fingerprint, host_bytes=0)
 

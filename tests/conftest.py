@@ -109,10 +109,10 @@ async def engine(base_settings: Settings):
 
 
 @pytest.fixture(scope="session")
-def embedder():
+def embedder(base_settings: Settings):
     from inferscale.embedder import load_embedder
 
-    return load_embedder()
+    return load_embedder(base_settings)
 
 
 @pytest.fixture(scope="session")

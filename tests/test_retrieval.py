@@ -4,7 +4,9 @@ import random
 import uuid
 from datetime import UTC, datetime
 
-from inferscale.db.queries import NewFact, upsert_facts
+import numpy as np
+
+from inferscale.db.queries import NewFact, top_k_facts, upsert_facts
 from inferscale.retrieval import retrieve
 
 FACTS = {
@@ -42,3 +44,24 @@ async def test_right_fact_first_and_only_own_facts(engine, embedder):
         hits = await retrieve(engine, embedder, owners[name], rng.choice(questions), 10)
         assert {h.text for h in hits} == set(FACTS[name])
     assert await retrieve(engine, embedder, "nobody-" + uuid.uuid4().hex, "cat", 5) == []
+
+
+async def test_owner_filter_never_starves_the_hnsw_scan(engine):
+    """Hundreds of other owners' facts sit nearer the query than the owner's own: the scan goes on
+    until k of the owner's pass the filter (hnsw.iterative_scan, set on every connection)."""
+    rng = np.random.default_rng(3)
+    query = rng.standard_normal(384).astype(np.float32)
+    query /= np.linalg.norm(query)
+    owner, others = f"owner-{uuid.uuid4().hex[:6]}", f"crowd-{uuid.uuid4().hex[:6]}"
+    near = query + 0.05 * rng.standard_normal((400, 384)).astype(np.float32)
+    far = rng.standard_normal((6, 384)).astype(np.float32)
+    rows = [NewFact(user_id=user, conversation_id="c", turn_ids=(f"t{i}",), ordinal=0,
+                    extractor="test", text=f"{user} {i}", ts=datetime.now(UTC),
+                    embedding=(vec / np.linalg.norm(vec)).tolist())
+            for user, vectors in ((others, near), (owner, far)) for i, vec in enumerate(vectors)]
+    async with engine.begin() as conn:
+        await upsert_facts(conn, rows)
+        hits = await top_k_facts(conn, owner, query.tolist(), 5)
+    assert [h.text.split()[0] for h in hits] == [owner] * 5
+    distances = [h.distance for h in hits]
+    assert distances == sorted(distances)

@@ -58,7 +58,7 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
     engine = create_engine(settings=settings)
     loop = asyncio.get_running_loop()
     encoder, store = await loop.run_in_executor(None, open_encoder_and_store, settings)
-    embedder = await loop.run_in_executor(None, load_embedder, settings.embedder)
+    embedder = await loop.run_in_executor(None, load_embedder, settings)
     extractor, decide = extraction(settings, encoder)
     bootstrap = resolve_kafka_bootstrap(settings)
     to_extract, to_encode = asyncio.Event(), asyncio.Event()

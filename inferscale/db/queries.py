@@ -90,8 +90,7 @@ async def top_k_facts(
     """The user's k live facts nearest to the query by cosine distance, nearest first."""
     if k <= 0:
         return []
-    # Exact ordering under the owner filter: let the HNSW scan continue until k rows pass it.
-    await conn.execute(text("SET LOCAL hnsw.iterative_scan = strict_order"))
+    # Exact order under the owner filter: the engine's sessions set hnsw.iterative_scan.
     distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
     stmt = (
         select(
