@@ -77,7 +77,7 @@ class Durable(ABC):
         """Locations of every blob under the folder ``prefix`` ("" or ending in "/")."""
 
     @abstractmethod
-    def folders(self) -> list[str]:
+    def folders(self) -> Iterator[str]:
         """Names of the top-level folders (one per model)."""
 
     @abstractmethod
@@ -142,8 +142,9 @@ class LocalDir(Durable):
             if valid_location(location) and path.is_file():
                 yield location
 
-    def folders(self) -> list[str]:
-        return [d.name for d in self.root.iterdir() if d.is_dir()] if self.root.is_dir() else []
+    def folders(self) -> Iterator[str]:
+        if self.root.is_dir():
+            yield from (d.name for d in self.root.iterdir() if d.is_dir())
 
     def sweep_temp(self) -> int:
         """Remove temp files of writers whose pid is gone."""
@@ -227,10 +228,10 @@ class S3Objects(Durable):
                 if valid_location(location):
                     yield location
 
-    def folders(self) -> list[str]:
-        return [common["Prefix"][len(self.prefix):].rstrip("/")
-                for page in self._pages("", Delimiter="/")
-                for common in page.get("CommonPrefixes", [])]
+    def folders(self) -> Iterator[str]:
+        for page in self._pages("", Delimiter="/"):
+            for common in page.get("CommonPrefixes", []):
+                yield common["Prefix"][len(self.prefix):].rstrip("/")
 
     def sweep_temp(self) -> int:
         """Nothing to sweep: a blob is one PUT (no temp object, no multipart upload)."""

@@ -29,7 +29,10 @@ class S3Url:
 def parse_kv_url(url: str) -> Path | S3Url:
     """What a ``kv_url`` names: a directory (a path, ``file:///path``) or a bucket and prefix
     (``s3://bucket/prefix``); ``ValueError`` for anything else."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"kv_url {url!r}: {exc}") from None
     if not parts.scheme:
         return Path(url)
     if parts.query or parts.fragment:
