@@ -182,11 +182,10 @@ class S3Objects(Durable):
 
         try:
             yield
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == missing:
+        except (BotoCoreError, ClientError) as exc:
+            if (isinstance(exc, ClientError)
+                    and exc.response.get("Error", {}).get("Code") == missing):
                 raise BlobMissing(location, "no such blob") from None
-            raise OSError(errno.EIO, f"s3://{self.bucket}/{self.prefix}{location}: {exc}") from exc
-        except BotoCoreError as exc:
             raise OSError(errno.EIO, f"s3://{self.bucket}/{self.prefix}{location}: {exc}") from exc
 
     def _read(self, location: str) -> bytes:
