@@ -98,7 +98,7 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
     async def go():
         engine = create_engine(settings=settings)
         try:
-            store = KVStore(settings.kv_path, fingerprint="", host_bytes=0)
+            store = KVStore.from_settings(settings, fingerprint="", host_bytes=0)
             forgotten = await forget_user(engine, store, args.user)
             orphans = await sweep_orphan_blobs(engine, store)
         finally:

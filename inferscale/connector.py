@@ -104,8 +104,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._layers: list[tuple[int, Any]] | None = None
         if role == KVConnectorRole.WORKER:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            self._store = KVStore(settings.kv_path, self._fingerprint, settings.host_cache_bytes,
-                                  settings.device_cache_bytes, device=device)
+            self._store = KVStore.from_settings(settings, self._fingerprint,
+                                                settings.host_cache_bytes,
+                                                settings.device_cache_bytes, device=device)
             self._rope = ChunkedRope(model_config.hf_config, model_config.dtype, device,
                                      max_position=max(model_config.max_model_len, 1))
             self._dtype = model_config.dtype
@@ -113,7 +114,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._kv_shape = (hf.num_hidden_layers, model_config.get_total_num_kv_heads(),
                               model_head_dim(hf))
         else:
-            self._store = KVStore(settings.kv_path, self._fingerprint, host_bytes=0)
+            self._store = KVStore.from_settings(settings, self._fingerprint, host_bytes=0)
 
     # --- scheduler side -----------------------------------------------------------------------
 

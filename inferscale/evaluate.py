@@ -138,7 +138,7 @@ class _Oracle:
         from inferscale.kvstore import KVStore
 
         self.encoder = load_encoder(settings)
-        self.store = KVStore(settings.kv_path, model_fingerprint(settings.model_path), 0)
+        self.store = KVStore.from_settings(settings, model_fingerprint(settings.model_path), 0)
         self.engine = create_engine(settings.database_url)
         self.tag = uuid.uuid4().hex[:6]
 

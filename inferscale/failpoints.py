@@ -10,9 +10,10 @@ cost one dict lookup.
 Points: ``ingest.before_db_commit``, ``ingest.before_offset_commit``, ``extract.before_model``
 (a batch of turns about to enter the extractor; its text: the turns' texts),
 ``extract.before_db_commit`` (facts extracted, not yet committed), ``kv.mid_write`` (half of
-the blob written to its temp file, not synced), ``kv.before_rename`` (temp file synced, not yet
-renamed), ``encode.before_forward`` (a batch about to enter the model; its text: the facts'
-texts), ``encode.before_db_commit`` (blobs in place, their rows not yet committed).
+the blob written to its temp file, not synced; on S3: before the PUT), ``kv.before_rename``
+(temp file synced, not yet renamed; on S3: before the PUT), ``encode.before_forward`` (a
+batch about to enter the model; its text: the facts' texts), ``encode.before_db_commit``
+(blobs in place, their rows not yet committed).
 """
 
 from __future__ import annotations

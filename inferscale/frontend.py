@@ -95,7 +95,7 @@ class _Runtime:
         self.fingerprint = model_fingerprint(model_path)
         self.embedder = load_embedder(settings)
         self.engine = create_engine(settings=settings)
-        self.store = KVStore(settings.kv_path, self.fingerprint, host_bytes=0)
+        self.store = KVStore.from_settings(settings, self.fingerprint, host_bytes=0)
 
 
 @dataclass(frozen=True)

@@ -1,41 +1,34 @@
-"""Tiered store of per-fact KV blobs: durable directory -> host-RAM LRU -> device hot cache.
+"""Tiered store of per-fact KV blobs: durable tier -> host-RAM LRU -> device hot cache.
 
 Blobs are named (a fact id, or "preamble") and encoded by ``inferscale.blob``; callers use
-names (``exists``, ``put``, ``load``) or the locations recorded in Postgres (``get``), never
-paths. Durable writes are atomic (temp file, fsync, rename); checksum and fingerprint are
-verified when a blob is paged in from the durable tier.
+names (``exists``, ``put``, ``load``) or the locations recorded in Postgres (``get``,
+``get_many``), never paths. The durable tier (``inferscale.durable``: a directory or a bucket)
+makes writes atomic; checksum and fingerprint are verified when a blob is paged in from it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 
 import torch
 
-from inferscale import failpoints
 from inferscale.blob import KVBlob, decode_blob, encode_blob
+from inferscale.durable import BlobMissing, Durable, KVBlobError, open_durable
 from inferscale.metrics import KV_METRICS
-from inferscale.procs import pid_alive
 
+if TYPE_CHECKING:
+    from inferscale.settings import Settings
 
-class KVBlobError(RuntimeError):
-    """A blob that cannot be used; serving falls back to prefilling the fact's text."""
-
-    reason = "error"
-
-    def __init__(self, location: str, detail: str):
-        super().__init__(f"{self.reason}: {location}: {detail}")
-        self.location = location
-
-
-class BlobMissing(KVBlobError):
-    reason = "missing"
+__all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", "KVBlobError",
+           "KVStore", "StoredBlob"]
+PAGE_IN_THREADS = 8  # concurrent durable reads of one get_many
 
 
 class ChecksumMismatch(KVBlobError):
@@ -99,15 +92,22 @@ class ByteLRU:
 
 
 class KVStore:
-    """Durable directory tier plus in-memory LRU tiers (host RAM; device when it is not CPU)."""
+    """Durable tier plus in-memory LRU tiers (host RAM; device when it is not CPU)."""
 
-    def __init__(self, root: Path, fingerprint: str, host_bytes: int, device_bytes: int = 0,
+    def __init__(self, durable: Durable, fingerprint: str, host_bytes: int, device_bytes: int = 0,
                  device: torch.device | str = "cpu"):
-        self.root = Path(root)
+        self.durable = durable
         self.fingerprint = fingerprint
         self.device = torch.device(device)
         self.host = ByteLRU(host_bytes, "host")
         self.hot = ByteLRU(device_bytes, "device") if self.device.type != "cpu" else None
+        self._pool = ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="kv-page-in")
+
+    @classmethod
+    def from_settings(cls, settings: Settings, fingerprint: str, host_bytes: int,
+                      device_bytes: int = 0, device: torch.device | str = "cpu") -> KVStore:
+        """A store on the durable tier the settings name (``kv_url`` / ``kv_path``)."""
+        return cls(open_durable(settings), fingerprint, host_bytes, device_bytes, device)
 
     # --- durable tier -------------------------------------------------------------------------
 
@@ -119,40 +119,22 @@ class KVStore:
 
     def locations_of(self, name: str) -> list[str]:
         """Where a blob named ``name`` would be for every model this durable tier holds."""
-        models = [d.name for d in self.root.iterdir() if d.is_dir()] if self.root.is_dir() else []
-        return [self.location_for(name, model) for model in models]
+        return [self.location_for(name, model) for model in self.durable.folders()]
 
     def exists(self, name: str) -> bool:
         """Whether this model's durable blob ``name`` exists."""
-        return (self.root / self.location_for(name)).exists()
+        return self.durable.exists(self.location_for(name))
 
     def put(self, name: str, k: torch.Tensor, v: torch.Tensor, token_ids: list[int],
             window: int) -> StoredBlob:
         """Write a blob durably and atomically; identical rewrites are harmless."""
         data, checksum = encode_blob(k, v, token_ids, self.fingerprint, window)
         location = self.location_for(name)
-        path = self.root / location
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            with tmp.open("wb") as f:
-                f.write(data[:len(data) // 2])
-                failpoints.hit("kv.mid_write")
-                f.write(data[len(data) // 2:])
-                f.flush()
-                os.fsync(f.fileno())
-            failpoints.hit("kv.before_rename")
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        self.durable.write(location, data)
         return StoredBlob(location=location, nbytes=len(data), checksum=checksum)
 
     def _read_durable(self, location: str, expected_checksum: str | None) -> KVBlob:
-        path = self.root / location
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise BlobMissing(location, "no such blob") from None
+        raw = self.durable.read(location)
         try:
             blob, checksum = decode_blob(raw)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt blob
@@ -166,36 +148,52 @@ class KVStore:
         return blob
 
     def sweep_temp(self) -> int:
-        """Remove temp files left by writers that died mid-write (their pid is gone)."""
-        removed = 0
-        for tmp in self.root.glob("*/*/.*.tmp"):
-            try:
-                pid = int(tmp.name.rsplit(".", 3)[-3])
-            except (ValueError, IndexError):
-                continue
-            if pid != os.getpid() and not pid_alive(pid):
-                tmp.unlink(missing_ok=True)
-                removed += 1
-        return removed
+        """Remove what writers that died mid-write left in the durable tier."""
+        return self.durable.sweep_temp()
 
     # --- tiered reads -------------------------------------------------------------------------
 
-    def get(self, location: str, expected_checksum: str | None = None) -> KVBlob:
-        """The blob on this store's device: device cache -> host cache -> durable (verified)."""
+    def _on_device(self, location: str, blob: KVBlob) -> KVBlob:
+        if self.hot is None:
+            return blob
+        blob = KVBlob(k=blob.k.to(self.device, non_blocking=True),
+                      v=blob.v.to(self.device, non_blocking=True),
+                      token_ids=blob.token_ids, fingerprint=blob.fingerprint, window=blob.window)
+        self.hot.put(location, blob)
+        return blob
+
+    def _from_memory(self, location: str) -> KVBlob | None:
+        """The blob from the device or host cache (moved to the device), or None."""
         if self.hot is not None and (blob := self.hot.get(location)) is not None:
             return blob
         blob = self.host.get(location)
-        if blob is None:
-            with KV_METRICS.page_in_seconds.time():
-                blob = self._read_durable(location, expected_checksum)
-            self.host.put(location, blob)
-        if self.hot is not None:
-            blob = KVBlob(k=blob.k.to(self.device, non_blocking=True),
-                          v=blob.v.to(self.device, non_blocking=True),
-                          token_ids=blob.token_ids, fingerprint=blob.fingerprint,
-                          window=blob.window)
-            self.hot.put(location, blob)
-        return blob
+        return None if blob is None else self._on_device(location, blob)
+
+    def _page_in(self, location: str, expected_checksum: str | None) -> KVBlob:
+        """The blob from the durable tier (verified), cached in host RAM and on the device."""
+        with KV_METRICS.page_in_seconds.time():
+            blob = self._read_durable(location, expected_checksum)
+        self.host.put(location, blob)
+        return self._on_device(location, blob)
+
+    def get(self, location: str, expected_checksum: str | None = None) -> KVBlob:
+        """The blob on this store's device: device cache -> host cache -> durable (verified)."""
+        blob = self._from_memory(location)
+        return blob if blob is not None else self._page_in(location, expected_checksum)
+
+    def get_many(self, locations: list[str], checksums: list[str | None]) -> list[KVBlob]:
+        """The blobs at ``locations`` (with their expected checksums), in order, as ``get``
+        gives them: memory-tier hits first, then the misses paged in concurrently. The error
+        of the first blob that fails is raised."""
+        if len(locations) != len(checksums):
+            raise ValueError(f"{len(locations)} locations but {len(checksums)} checksums")
+        blobs = [self._from_memory(location) for location in locations]
+        misses: dict[tuple[str, str | None], Future[KVBlob]] = {}
+        for location, checksum, blob in zip(locations, checksums, blobs, strict=True):
+            if blob is None and (location, checksum) not in misses:
+                misses[location, checksum] = self._pool.submit(self._page_in, location, checksum)
+        return [blob if blob is not None else misses[location, checksum].result()
+                for location, checksum, blob in zip(locations, checksums, blobs, strict=True)]
 
     def load(self, name: str, expected_checksum: str | None = None) -> KVBlob:
         """This model's blob ``name``, through the tiers (see ``get``)."""
@@ -212,18 +210,14 @@ class KVStore:
         return held
 
     def delete(self, locations: list[str]) -> int:
-        """Remove blobs from every tier; returns how many durable files were removed."""
+        """Remove blobs from every tier; returns how many durable blobs were removed."""
         self.evict(locations)
-        removed = 0
-        for location in locations:
-            path = self.root / location
-            if path.exists():
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
+        return sum(self.durable.delete(location) for location in locations)
 
     def fact_blobs(self) -> Iterator[tuple[int, str]]:
         """(fact id, location) of every durable fact blob, of any model."""
-        for path in self.root.glob("*/*/*.safetensors"):
-            if path.stem.isdigit():
-                yield int(path.stem), str(path.relative_to(self.root))
+        for location in self.durable.list():
+            path = PurePosixPath(location)
+            if (len(path.parts) == 3 and path.suffix == ".safetensors" and path.stem.isascii()
+                    and path.stem.isdigit()):
+                yield int(path.stem), location

@@ -33,7 +33,7 @@ def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
     from inferscale.fingerprint import model_fingerprint
     from inferscale.kvstore import KVStore
 
-    store = KVStore(settings.kv_path, model_fingerprint(model_path), host_bytes=0)
+    store = KVStore.from_settings(settings, model_fingerprint(model_path), host_bytes=0)
     if not store.exists(PREAMBLE):
         ensure_preamble(load_encoder(settings.model_copy(update={"model_path": model_path})),
                         store)

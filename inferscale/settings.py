@@ -4,14 +4,53 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import unquote, urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+@dataclass(frozen=True)
+class S3Url:
+    """A bucket and a key prefix (``s3://bucket/prefix``)."""
+
+    bucket: str
+    prefix: str
+
+
+def parse_kv_url(url: str) -> Path | S3Url:
+    """What a ``kv_url`` names: a directory (a path, ``file:///path``) or a bucket and prefix
+    (``s3://bucket/prefix``); ``ValueError`` for anything else."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"kv_url {url!r}: {exc}") from None
+    if not parts.scheme:
+        return Path(url)
+    if parts.query or parts.fragment:
+        raise ValueError(f"kv_url {url!r}: no query or fragment allowed")
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"kv_url {url!r}: write a local directory as file:///absolute/path")
+        return Path(unquote(parts.path))
+    if parts.scheme == "s3":
+        if not S3_BUCKET.fullmatch(parts.netloc):
+            raise ValueError(f"kv_url {url!r}: {parts.netloc!r} is not an S3 bucket name "
+                             "(3-63 lowercase letters, digits, dots, hyphens)")
+        prefix = parts.path.strip("/")
+        if prefix and ("\\" in prefix or any(p in ("", ".", "..") for p in prefix.split("/"))):
+            raise ValueError(f"kv_url {url!r}: empty, . or .. parts in the key prefix")
+        return S3Url(parts.netloc, prefix)
+    raise ValueError(f"kv_url {url!r}: unsupported scheme {parts.scheme!r}; use "
+                     "s3://bucket/prefix, file:///path or a path")
 
 
 class Settings(BaseSettings):
@@ -88,7 +127,10 @@ class Settings(BaseSettings):
     # a GPU. KV is always stored in the model's dtype, as vLLM serves it.
     encode_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
-    # KV store tiers.
+    # KV store tiers. The durable tier: kv_url s3://bucket/prefix (endpoint and credentials
+    # from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), or a directory: kv_url as a path or
+    # file:///path, else kv_dir, else data_dir/kv.
+    kv_url: str | None = None
     kv_dir: Path | None = None
     host_cache_bytes: int = 2 * 1024**3
     device_cache_bytes: int = 1 * 1024**3
@@ -115,6 +157,14 @@ class Settings(BaseSettings):
     max_model_len: int = 8192
     vllm_kv_cache_gib: int = 2
 
+    @field_validator("kv_url")
+    @classmethod
+    def _check_kv_url(cls, url: str | None) -> str | None:
+        if not url:
+            return None  # empty: unset
+        parse_kv_url(url)
+        return url
+
     @property
     def anonymous_memory(self) -> bool:
         """Whether memory requests without an API key are served."""
@@ -128,9 +178,16 @@ class Settings(BaseSettings):
         return self.data_dir / "infra"
 
     @property
+    def kv_bucket(self) -> S3Url | None:
+        """The durable KV tier's bucket, when it is one."""
+        target = parse_kv_url(self.kv_url) if self.kv_url else None
+        return target if isinstance(target, S3Url) else None
+
+    @property
     def kv_path(self) -> Path:
-        """Durable KV tier directory."""
-        return self.kv_dir or self.data_dir / "kv"
+        """Durable KV tier directory (when it is not a bucket)."""
+        target = parse_kv_url(self.kv_url) if self.kv_url else None
+        return target if isinstance(target, Path) else self.kv_dir or self.data_dir / "kv"
 
 
 @lru_cache

@@ -223,5 +223,6 @@ def smol(served, smollm2_dir):
     from inferscale.kvstore import KVStore
 
     encoder = FactEncoder(smollm2_dir, device="cpu")
-    store = KVStore(served.settings.kv_path, model_fingerprint(smollm2_dir), host_bytes=1 << 30)
+    store = KVStore.from_settings(served.settings, model_fingerprint(smollm2_dir),
+                                  host_bytes=1 << 30)
     return encoder, store

@@ -55,8 +55,8 @@ async def _one_fact_user(tiny_served, settings, engine, embedder, encoder, store
 
 async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, engine, embedder):
     encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
-    store = KVStore(tiny_served.settings.kv_path, model_fingerprint(tiny_models["llama"]),
-                    host_bytes=1 << 28)
+    store = KVStore.from_settings(tiny_served.settings, model_fingerprint(tiny_models["llama"]),
+                                  host_bytes=1 << 28)
     question = "What does Sam do for a living?"
     kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
     user = await _one_fact_user(tiny_served, settings, engine, embedder, encoder, store,

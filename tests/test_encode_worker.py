@@ -23,6 +23,7 @@ from inferscale.db.queries import (
     record_encode_failure,
 )
 from inferscale.db.tables import facts
+from inferscale.durable import LocalDir
 from inferscale.encoder import FactEncoder
 from inferscale.fingerprint import model_fingerprint
 from inferscale.forget import forget_user
@@ -81,12 +82,13 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
         others = [d for text, d in distance.items() if text not in context]
         assert min(others) >= max(chosen) - 1e-5  # no earlier fact nearer than those chosen
         await conn.rollback()
-    store = KVStore(tmp_path / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=1 << 30)
+    store = KVStore(LocalDir(tmp_path / "kv"), model_fingerprint(tiny_models["llama"]),
+                    host_bytes=1 << 30)
     stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     assert stats.encoded >= len(turns) and stats.failed == 0
     rows = await _user_facts(engine, user)
     assert len(rows) == len(turns)
-    fresh = KVStore(store.root, store.fingerprint, host_bytes=1 << 30)
+    fresh = KVStore(store.durable, store.fingerprint, host_bytes=1 << 30)
     for row in rows:
         assert row.kv_location and row.window == 3 and row.model_fingerprint == store.fingerprint
         assert row.token_ids == tiny_encoder.layout.fact_segment(row.text)
@@ -94,13 +96,13 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
         blob = fresh.get(row.kv_location, row.kv_checksum)  # verifies checksum + fingerprint
         assert blob.token_ids == row.token_ids
         assert blob.k.shape[:2] == (tiny_encoder.config.num_hidden_layers, len(row.token_ids))
-    blobs_before = sorted(p.name for p in store.root.rglob("*.safetensors"))
+    blobs_before = sorted(p.name for p in store.durable.root.rglob("*.safetensors"))
     # Redelivery: a replay of the topic creates no new facts and nothing to encode.
     replay = settings.model_copy(update={"consumer_group": settings.consumer_group + "-r"})
     await IngestWorker(replay, replay.kafka_bootstrap, engine).run(drain=True)
     again = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     assert again.encoded == 0
-    assert sorted(p.name for p in store.root.rglob("*.safetensors")) == blobs_before
+    assert sorted(p.name for p in store.durable.root.rglob("*.safetensors")) == blobs_before
     assert [r.kv_checksum for r in await _user_facts(engine, user)] == [
         r.kv_checksum for r in rows]
 
@@ -113,7 +115,8 @@ async def test_durable_tier_errors_are_recorded_and_retried_until_they_clear(
     turns = sample_turns()[:3]
     user = turns[0].user_id
     await _ingest(settings, engine, embedder, turns)
-    store = KVStore(tmp_path / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=0)
+    store = KVStore(LocalDir(tmp_path / "kv"), model_fingerprint(tiny_models["llama"]),
+                    host_bytes=0)
     failpoints.arm(f"kv.mid_write=error:{error}")  # the disk fills up in the middle of a write
     try:
         failed = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
@@ -124,7 +127,8 @@ async def test_durable_tier_errors_are_recorded_and_retried_until_they_clear(
     reason = os.strerror(getattr(errno, error))
     assert all(r.kv_location is None and r.encode_error.startswith("storage: ")
                and reason in r.encode_error and r.retry_at is not None for r in rows)
-    assert not list(store.root.rglob("*.tmp")) and not list(store.root.rglob("*.safetensors"))
+    root = store.durable.root
+    assert not list(root.rglob("*.tmp")) and not list(root.rglob("*.safetensors"))
     # Backoff: not retried at once, even past encode_max_attempts...
     assert (await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)).failed == 0
     await asyncio.sleep(1.0)
@@ -164,13 +168,13 @@ async def test_real_full_disk_fails_facts_cleanly_and_they_heal(settings, engine
     turns = sample_turns()
     user = turns[0].user_id
     await _ingest(settings, engine, embedder, turns)
-    store = KVStore(mount / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=0)
+    store = KVStore(LocalDir(mount / "kv"), model_fingerprint(tiny_models["llama"]), host_bytes=0)
     full = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     rows = await _user_facts(engine, user)
     failed = [r for r in rows if r.kv_location is None]
     assert full.failed > 0 and failed
     assert all("No space left on device" in r.encode_error for r in failed)
-    assert not list(store.root.rglob("*.tmp"))  # no half-written file is left behind
+    assert not list(store.durable.root.rglob("*.tmp"))  # no half-written file is left behind
     for row in rows:
         if row.kv_location:
             store.get(row.kv_location, row.kv_checksum)  # what did fit is complete
@@ -202,7 +206,7 @@ async def test_encode_errors_are_retried_a_bounded_number_of_times(settings, eng
     turns = sample_turns()[:3]
     user = turns[0].user_id
     await _ingest(settings, engine, embedder, turns)
-    store = KVStore(tmp_path / "kv", "f" * 64, host_bytes=1 << 20)
+    store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=1 << 20)
     crashing = _CrashingEncoder(tiny_encoder)
     for _ in range(2):
         assert (await EncodeWorker(settings, engine, crashing, store).run(drain=True)).failed == 3
@@ -219,7 +223,7 @@ async def test_forget_removes_user_everywhere_and_spares_others(settings, engine
     settings = settings.model_copy(update={"window": 2})
     victim, other = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("victim", "other"))
     await _ingest(settings, engine, embedder, sample_turns(victim)[:6] + sample_turns(other)[:6])
-    store = KVStore(tmp_path / "kv", "e" * 64, host_bytes=1 << 30)
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     victim_rows = await _user_facts(engine, victim)
     for row in victim_rows:
@@ -231,7 +235,7 @@ async def test_forget_removes_user_everywhere_and_spares_others(settings, engine
         assert await count_user_rows(conn, other) == (6, 6)
     for row in victim_rows:
         assert row.kv_location not in store.host
-        assert not (store.root / row.kv_location).exists()
+        assert not (store.durable.root / row.kv_location).exists()
     for row in await _user_facts(engine, other):
         assert store.get(row.kv_location, row.kv_checksum).token_ids == row.token_ids
 
@@ -239,7 +243,7 @@ async def test_forget_removes_user_everywhere_and_spares_others(settings, engine
 async def test_duty_cycle_rest_scales_with_busy_time_and_yields_to_stop(settings, engine,
                                                                          tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"encode_duty_cycle": 0.25})
-    worker = EncodeWorker(settings, engine, tiny_encoder, KVStore(tmp_path, "f" * 64, 0))
+    worker = EncodeWorker(settings, engine, tiny_encoder, KVStore(LocalDir(tmp_path), "f" * 64, 0))
     began = asyncio.get_running_loop().time()
     await worker.after_batch(0.1)  # busy 0.1 s at a 25% duty cycle -> rest 0.3 s
     assert 0.29 <= asyncio.get_running_loop().time() - began < 2
@@ -253,7 +257,7 @@ async def test_claims_of_dead_workers_are_counted_and_the_fact_quarantined(
         settings, engine, embedder, tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"window": 0, "encode_lease_s": 0.5,
                                            "encode_max_crashes": 2})
-    store = KVStore(tmp_path / "kv", "f" * 64, host_bytes=0)
+    store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)  # nothing else due
     turns = sample_turns()[:3]
     await _ingest(settings, engine, embedder, turns)
@@ -304,7 +308,7 @@ class _ForgettingEncoder(_CrashingEncoder):
 async def test_a_user_forgotten_while_encoding_leaves_no_kv(settings, engine, embedder,
                                                             tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"window": 0})
-    store = KVStore(tmp_path / "kv", "f" * 64, host_bytes=0)
+    store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     turns = sample_turns()[:3]
     await _ingest(settings, engine, embedder, turns)
@@ -317,7 +321,7 @@ async def test_a_user_forgotten_while_encoding_leaves_no_kv(settings, engine, em
     stats = await EncodeWorker(settings, engine, _ForgettingEncoder(tiny_encoder, forget),
                                store).run(drain=True)
     assert stats.encoded == 0
-    assert {p.name for p in store.root.rglob("*.safetensors")} == {"preamble.safetensors"}
+    assert {p.name for p in store.durable.root.rglob("*.safetensors")} == {"preamble.safetensors"}
 
 
 async def test_a_fact_that_kills_its_worker_is_quarantined_and_the_rest_encode(

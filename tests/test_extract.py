@@ -236,10 +236,11 @@ async def test_a_crash_mid_batch_stores_nothing_and_the_lease_runs_out(settings,
 async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tmp_path):
     """A user's home changes twice, then a pet is gone: the retired facts are never retrieved
     again, keep their history, and their blobs leave the durable tier and are invalidated."""
+    from inferscale.durable import LocalDir
     from inferscale.kvstore import KVStore
 
     user = f"update-{uuid.uuid4().hex[:6]}"
-    store = KVStore(tmp_path / "kv", "f" * 64, host_bytes=1 << 20)
+    store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=1 << 20)
     invalidated: list[tuple[str, list[str]]] = []
 
     async def invalidate(owner, locations):
@@ -280,7 +281,7 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
     assert history["2 May 2025 Ana: My dog Rex loves the beach."] == (True, None)  # deleted
     assert "5 May 2025 Ana: Sadly my dog Rex died." not in history  # DELETE keeps it out
     assert [h.id for h in hits] == [porto]
-    assert not (store.root / location).exists()
+    assert not (store.durable.root / location).exists()
     assert invalidated == [(user, [location])]
 
 

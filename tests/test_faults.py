@@ -305,7 +305,7 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
         # database; those blobs are theirs, not orphans.
         others = set((await conn.execute(select(facts.c.id).where(
             facts.c.user_id.not_like(f"{prefix}-%")))).scalars())
-    store = KVStore(cfg.kv_path, model_fingerprint(tiny_models["llama"]), host_bytes=0)
+    store = KVStore.from_settings(cfg, model_fingerprint(tiny_models["llama"]), host_bytes=0)
     for row in rows:
         store.get(row.kv_location, row.kv_checksum)  # verifies content and fingerprint
     blob_names = {p.name for p in cfg.kv_path.rglob("*.safetensors")} - {

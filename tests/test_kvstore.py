@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from hostile import tried
 from inferscale.blob import KVBlob
+from inferscale.durable import LocalDir
 from inferscale.kvstore import (
     BlobMissing,
     ByteLRU,
@@ -25,7 +26,7 @@ def _kv(tokens=5, seed=0):
 
 
 def test_round_trip_and_tiers(tmp_path):
-    store = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     k, v = _kv()
     assert not store.exists("42")
     stored = store.put("42", k, v, [1, 2, 3, 4, 5], window=5)
@@ -33,7 +34,7 @@ def test_round_trip_and_tiers(tmp_path):
     assert torch.equal(store.load("42", stored.checksum).v, v)  # by name, through the tiers
     assert (tmp_path / stored.location).exists() and stored.nbytes > k.nbytes + v.nbytes
     assert not list(tmp_path.rglob("*.tmp"))
-    fresh = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
+    fresh = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     blob = fresh.get(stored.location, stored.checksum)
     assert torch.equal(blob.k, k) and torch.equal(blob.v, v) and blob.k.dtype == torch.bfloat16
     assert blob.token_ids == [1, 2, 3, 4, 5] and blob.window == 5
@@ -42,25 +43,26 @@ def test_round_trip_and_tiers(tmp_path):
 
 
 def test_corrupted_blob_raises_checksum_error(tmp_path):
-    store = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     stored = store.put("7", *_kv(), [1, 2, 3, 4, 5], window=0)
     path = tmp_path / stored.location
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0xFF
     path.write_bytes(bytes(raw))
     with pytest.raises(ChecksumMismatch):
-        KVStore(tmp_path, "f" * 64, host_bytes=1 << 20).get(stored.location)
+        KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20).get(stored.location)
     path.write_bytes(b"garbage")
     with pytest.raises(ChecksumMismatch):
-        KVStore(tmp_path, "f" * 64, host_bytes=1 << 20).get(stored.location)
+        KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20).get(stored.location)
     with pytest.raises(BlobMissing):
         store.get("nope/xx/1.safetensors")
 
 
 def test_fingerprint_mismatch_is_refused(tmp_path):
-    stored = KVStore(tmp_path, "a" * 64, host_bytes=1 << 20).put("1", *_kv(), [1] * 5, window=0)
+    made_for_a = KVStore(LocalDir(tmp_path), "a" * 64, host_bytes=1 << 20)
+    stored = made_for_a.put("1", *_kv(), [1] * 5, window=0)
     with pytest.raises(FingerprintMismatch):
-        KVStore(tmp_path, "b" * 64, host_bytes=1 << 20).get(stored.location)
+        KVStore(LocalDir(tmp_path), "b" * 64, host_bytes=1 << 20).get(stored.location)
 
 
 def test_lru_keeps_within_byte_budget():
@@ -76,7 +78,7 @@ def test_lru_keeps_within_byte_budget():
 
 
 def test_delete_removes_every_tier(tmp_path):
-    store = KVStore(tmp_path, "f" * 64, host_bytes=1 << 20)
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     stored = store.put("9", *_kv(), [1] * 5, window=0)
     store.get(stored.location)
     assert store.delete([stored.location]) == 1
@@ -89,7 +91,7 @@ def test_delete_removes_every_tier(tmp_path):
                       min_size=1, max_size=4), cut=st.none() | st.integers(0, 10**6))
 def test_damaged_blobs_are_refused_with_a_blob_error_only(tmp_path, edits, cut):
     """The blob loader under byte edits and truncation: the intact blob or KVBlobError."""
-    store = KVStore(tmp_path, "f" * 64, host_bytes=0)
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
     k = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).reshape(2, 3, 2, 4)
     stored = store.put("fuzz", k, -k, [5, 6, 7], window=1)
     path = tmp_path / stored.location

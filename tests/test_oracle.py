@@ -7,6 +7,7 @@ from sqlalchemy import select
 
 from helpers import ingest_and_encode, turn
 from inferscale.db.tables import facts
+from inferscale.durable import LocalDir
 from inferscale.encoder import EncodeItem, FactEncoder
 from inferscale.fingerprint import model_fingerprint
 from inferscale.kvstore import KVStore
@@ -16,7 +17,8 @@ from inferscale.oracle import oracle_owner
 async def test_oracle_copies_carry_kv_of_their_serving_prefix(settings, engine, embedder,
                                                              tiny_models, tmp_path):
     encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
-    store = KVStore(tmp_path / "kv", model_fingerprint(tiny_models["llama"]), host_bytes=0)
+    store = KVStore(LocalDir(tmp_path / "kv"), model_fingerprint(tiny_models["llama"]),
+                    host_bytes=0)
     user = f"oracle-src-{uuid.uuid4().hex[:8]}"
     said = ["I moved to Lisbon.", "My octopus is called Pickles.", "I work at the aquarium.",
             "I paint sunrises on weekends."]

@@ -70,12 +70,13 @@ def test_signed_malformed_plans_raise_plan_error_or_parse_typed(body):
 def scheduler_side(tmp_path_factory):
     """The connector's scheduler half without an engine: only what its plan check uses."""
     from inferscale.connector import InferScaleConnector
+    from inferscale.durable import LocalDir
     from inferscale.kvstore import KVStore
 
     connector = InferScaleConnector.__new__(InferScaleConnector)
     connector._secret, connector._fingerprint = SECRET, "f" * 64
     connector._pending, connector._claimed = {}, {}
-    connector._store = KVStore(tmp_path_factory.mktemp("kv"), "f" * 64, host_bytes=0)
+    connector._store = KVStore(LocalDir(tmp_path_factory.mktemp("kv")), "f" * 64, host_bytes=0)
     return connector
 
 

@@ -12,6 +12,7 @@ from helpers import ingest_and_encode, sample_turns, turn
 from inferscale import failpoints
 from inferscale.db.queries import count_user_rows
 from inferscale.db.tables import facts
+from inferscale.durable import LocalDir
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.kvstore import KVStore
 from inferscale.stack import wait_encoded, worker_process
@@ -195,15 +196,15 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
         rows = (await conn.execute(select(facts.c.id, facts.c.kv_location).where(
             facts.c.user_id == user))).all()
     for row in rows:  # corrupt one blob's bytes, replace the other with another model's blob
-        path = store.root / row.kv_location
+        path = store.durable.root / row.kv_location
         raw = bytearray(path.read_bytes())
         raw[-10] ^= 0x55
         path.write_bytes(bytes(raw))
         break
-    other = KVStore(store.root / "other", "0" * 64, host_bytes=0)
+    other = KVStore(LocalDir(store.durable.root / "other"), "0" * 64, host_bytes=0)
     blob = store.load("preamble")
     moved = other.put(str(rows[1].id), blob.k, blob.v, blob.token_ids, window=0)
-    (store.root / rows[1].kv_location).write_bytes((other.root / moved.location).read_bytes())
+    store.durable.write(rows[1].kv_location, other.durable.read(moved.location))
     failures_before = _metric(served, "inferscale_kv_load_failures_total")
     response = served.chat(user, question)
     assert response.status_code == 200
@@ -399,7 +400,7 @@ async def test_memory_that_changes_is_served_as_it_is_now(served, smol, cfg, eng
         assert served_now.headers["x-inferscale-facts-injected"] == "1"  # now in the host tier
         purged_before = _metric(served, "inferscale_purged_blobs_total")
         history.append(await say(turn_id, text, day))
-        assert not (store.root / history[-2][1]).exists()  # the durable blob is gone
+        assert not (store.durable.root / history[-2][1]).exists()  # the durable blob is gone
         for _ in range(120):
             if _metric(served, "inferscale_purged_blobs_total") > purged_before:
                 break

@@ -48,8 +48,8 @@ def failure_reason(exc: BaseException) -> str:
 def open_encoder_and_store(settings: Settings) -> tuple[FactEncoder, KVStore]:
     """Load the model named by the settings and the KV store keyed by its fingerprint."""
     encoder = load_encoder(settings)
-    store = KVStore(settings.kv_path, model_fingerprint(resolve_model_path(settings)),
-                    host_bytes=settings.host_cache_bytes)
+    store = KVStore.from_settings(settings, model_fingerprint(resolve_model_path(settings)),
+                                  host_bytes=settings.host_cache_bytes)
     return encoder, store
 
 

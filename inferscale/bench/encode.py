@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from inferscale.bench.common import print_table, write_report
+from inferscale.durable import LocalDir
 from inferscale.encoder import FactEncoder
 from inferscale.extract import turn_fact
 from inferscale.fingerprint import model_fingerprint
@@ -27,7 +28,7 @@ def run(model_path: Path, data: Path, out_dir: Path, facts: int = 64,
                  for i in range(start, start + facts)]
         encoder.encode(items[:2])  # warm-up
         with tempfile.TemporaryDirectory() as tmp:
-            store = KVStore(Path(tmp), model_fingerprint(model_path), host_bytes=0)
+            store = KVStore(LocalDir(Path(tmp)), model_fingerprint(model_path), host_bytes=0)
             forward_s = write_s = 0.0
             nbytes = 0
             for b in range(0, len(items), batch_size):

@@ -1,0 +1,243 @@
+"""The durable KV tier: whole blobs as bytes, by relative location ("<fp16>/<shard>/<name>...").
+
+Two backends behind one interface: :class:`LocalDir` (a directory; atomic writes by temp file,
+fsync, rename) and :class:`S3Objects` (an S3-compatible bucket; one PUT is atomic).
+:func:`open_durable` picks one from the settings. A location is a relative, ``/``-separated path
+with no empty, ``.``-led (``..``, hidden, temp) or backslashed part: anything else names no blob,
+so no location reaches outside the directory or key prefix. Failures of the storage itself
+(disk full, bucket unreachable) raise ``OSError``, as a local disk would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from inferscale import failpoints
+from inferscale.procs import pid_alive
+
+if TYPE_CHECKING:
+    from inferscale.settings import Settings
+
+S3_CONNECTIONS = 32  # pooled HTTP connections of one S3 client, shared by all its threads
+S3_MAX_ATTEMPTS = 5  # botocore "standard" retries: throttling, 5xx, connection errors
+
+
+class KVBlobError(RuntimeError):
+    """A blob that cannot be used; serving falls back to prefilling the fact's text."""
+
+    reason = "error"
+
+    def __init__(self, location: str, detail: str):
+        super().__init__(f"{self.reason}: {location}: {detail}")
+        self.location = location
+
+
+class BlobMissing(KVBlobError):
+    reason = "missing"
+
+
+def valid_location(location: str) -> bool:
+    """Whether ``location`` can name a blob (see the module docstring)."""
+    return ("\\" not in location and "\0" not in location
+            and all(part and not part.startswith(".") for part in location.split("/")))
+
+
+class Durable(ABC):
+    """Blobs by location; a written blob is visible whole or not at all."""
+
+    def read(self, location: str) -> bytes:
+        """The blob's bytes; ``BlobMissing`` when there is none."""
+        if not valid_location(location):
+            raise BlobMissing(location, "not a blob location")
+        return self._read(location)
+
+    def write(self, location: str, data: bytes) -> None:
+        """Store ``data`` atomically (replacing any blob there); ``ValueError`` for a location
+        that cannot name a blob."""
+        if not valid_location(location):
+            raise ValueError(f"not a blob location: {location!r}")
+        self._write(location, data)
+
+    def exists(self, location: str) -> bool:
+        return valid_location(location) and self._exists(location)
+
+    def delete(self, location: str) -> bool:
+        """Remove the blob; whether there was one."""
+        return valid_location(location) and self._delete(location)
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Locations of every blob under the folder ``prefix`` ("" or ending in "/")."""
+
+    @abstractmethod
+    def folders(self) -> Iterator[str]:
+        """Names of the top-level folders (one per model)."""
+
+    @abstractmethod
+    def sweep_temp(self) -> int:
+        """Remove what writers that died mid-write left; returns how many."""
+
+    @abstractmethod
+    def _read(self, location: str) -> bytes: ...
+
+    @abstractmethod
+    def _write(self, location: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _exists(self, location: str) -> bool: ...
+
+    @abstractmethod
+    def _delete(self, location: str) -> bool: ...
+
+
+class LocalDir(Durable):
+    """A directory; writes go to a temp file (``.<name>.<pid>.<thread>.tmp``), are fsynced and
+    renamed into place."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def _read(self, location: str) -> bytes:
+        try:
+            return (self.root / location).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise BlobMissing(location, "no such blob") from None
+
+    def _write(self, location: str, data: bytes) -> None:
+        path = self.root / location
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with tmp.open("wb") as f:
+                f.write(data[:len(data) // 2])
+                failpoints.hit("kv.mid_write")
+                f.write(data[len(data) // 2:])
+                f.flush()
+                os.fsync(f.fileno())
+            failpoints.hit("kv.before_rename")
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _exists(self, location: str) -> bool:
+        return (self.root / location).is_file()
+
+    def _delete(self, location: str) -> bool:
+        path = self.root / location
+        if not path.is_file():
+            return False
+        path.unlink(missing_ok=True)
+        return True
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        for path in (self.root / prefix).rglob("*"):
+            location = path.relative_to(self.root).as_posix()
+            if valid_location(location) and path.is_file():
+                yield location
+
+    def folders(self) -> Iterator[str]:
+        if self.root.is_dir():
+            yield from (d.name for d in self.root.iterdir() if d.is_dir())
+
+    def sweep_temp(self) -> int:
+        """Remove temp files of writers whose pid is gone."""
+        removed = 0
+        for tmp in self.root.glob("*/*/.*.tmp"):
+            try:
+                pid = int(tmp.name.rsplit(".", 3)[-3])
+            except (ValueError, IndexError):
+                continue
+            if pid != os.getpid() and not pid_alive(pid):
+                tmp.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+
+class S3Objects(Durable):
+    """Objects ``<prefix>/<location>`` in an S3-compatible bucket, through one boto3 client
+    (thread-safe, pooled connections, botocore's standard retries). Endpoint, region and
+    credentials come the usual AWS way (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...)."""
+
+    def __init__(self, bucket: str, prefix: str = ""):
+        import boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+        self._client = boto3.client("s3", config=Config(
+            max_pool_connections=S3_CONNECTIONS,
+            retries={"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}))
+
+    @contextlib.contextmanager
+    def _errors(self, location: str, missing: str = "NoSuchKey") -> Iterator[None]:
+        """``BlobMissing`` for the error code ``missing``, ``OSError`` for any other failure."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except (BotoCoreError, ClientError) as exc:
+            if (isinstance(exc, ClientError)
+                    and exc.response.get("Error", {}).get("Code") == missing):
+                raise BlobMissing(location, "no such blob") from None
+            raise OSError(errno.EIO, f"s3://{self.bucket}/{self.prefix}{location}: {exc}") from exc
+
+    def _read(self, location: str) -> bytes:
+        with self._errors(location):
+            response = self._client.get_object(Bucket=self.bucket, Key=self.prefix + location)
+            return response["Body"].read()
+
+    def _write(self, location: str, data: bytes) -> None:
+        # Nothing is sent before both points: a crash at either leaves no object.
+        failpoints.hit("kv.mid_write")
+        failpoints.hit("kv.before_rename")
+        with self._errors(location):
+            self._client.put_object(Bucket=self.bucket, Key=self.prefix + location, Body=data)
+
+    def _exists(self, location: str) -> bool:
+        try:
+            with self._errors(location, missing="404"):
+                self._client.head_object(Bucket=self.bucket, Key=self.prefix + location)
+        except BlobMissing:
+            return False
+        return True
+
+    def _delete(self, location: str) -> bool:
+        if not self._exists(location):
+            return False
+        with self._errors(location):
+            self._client.delete_object(Bucket=self.bucket, Key=self.prefix + location)
+        return True
+
+    def _pages(self, prefix: str, **kwargs) -> Iterator[dict]:
+        with self._errors(prefix):
+            yield from self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + prefix, **kwargs)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        for page in self._pages(prefix):
+            for item in page.get("Contents", []):
+                location = item["Key"][len(self.prefix):]
+                if valid_location(location):
+                    yield location
+
+    def folders(self) -> Iterator[str]:
+        for page in self._pages("", Delimiter="/"):
+            for common in page.get("CommonPrefixes", []):
+                yield common["Prefix"][len(self.prefix):].rstrip("/")
+
+    def sweep_temp(self) -> int:
+        """Nothing to sweep: a blob is one PUT (no temp object, no multipart upload)."""
+        return 0
+
+
+def open_durable(settings: Settings) -> Durable:
+    """The durable tier the settings name: ``kv_url`` s3://bucket/prefix, else ``kv_path``."""
+    s3 = settings.kv_bucket
+    return LocalDir(settings.kv_path) if s3 is None else S3Objects(s3.bucket, s3.prefix)
