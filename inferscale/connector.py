@@ -261,10 +261,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         """(K, V) views of the segments' blobs covering positions [start, end), each
         [layers, tokens, heads, dim], checked against the plan and the serving layout."""
         pieces = []
-        for segment in spec.segments:
-            if segment.end <= spec.start:
-                continue
-            blob = self._store.load(segment.name, segment.checksum)
+        segments = [segment for segment in spec.segments if segment.end > spec.start]
+        blobs = self._store.load_many([s.name for s in segments],  # misses concurrently
+                                      [s.checksum for s in segments])
+        for segment, blob in zip(segments, blobs, strict=True):
             if blob.token_ids != segment.token_ids:
                 raise ValueError(f"blob {segment.name} does not match the prompt tokens")
             if blob.k.dtype != self._dtype or (blob.k.shape[0], *blob.k.shape[2:]) != (

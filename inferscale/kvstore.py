@@ -199,6 +199,10 @@ class KVStore:
         """This model's blob ``name``, through the tiers (see ``get``)."""
         return self.get(self.location_for(name), expected_checksum)
 
+    def load_many(self, names: list[str], checksums: list[str | None]) -> list[KVBlob]:
+        """This model's blobs ``names``, through the tiers (see ``get_many``)."""
+        return self.get_many([self.location_for(name) for name in names], checksums)
+
     def evict(self, locations: list[str]) -> int:
         """Drop blobs from the memory tiers (host, device); returns how many were held."""
         held = 0
