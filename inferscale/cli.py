@@ -156,6 +156,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.bench import extract
 
         extract.run(resolve_model_path(settings), data, out, turns=args.n)
+    elif args.which == "retrieval":
+        from inferscale.bench import retrieval
+
+        retrieval.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
     return 0
 
 
@@ -236,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
-                                            "load", "extract"])
+                                            "load", "extract", "retrieval"])
     p.add_argument("--data", default=str(Path(__file__).parent / "data" /
                                          "sample_conversation.json"),
                    help="a LoCoMo-format file")
@@ -244,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=20,
                    help="facts / queries / turns (extract) per configuration")
     p.add_argument("--k", type=int, nargs="+", default=[0, 5, 10, 20, 50],
-                   help="ttft: facts retrieved per question")
+                   help="ttft, retrieval: facts retrieved per question")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none")

@@ -1,0 +1,104 @@
+"""Retrieval latency: query embedding (torch vs ONNX Runtime) and pgvector top-k under the owner
+filter, with 1k and 10k facts per user, against the real Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import delete
+
+from inferscale.bench.common import percentile, print_table, write_report
+from inferscale.db.engine import create_engine
+from inferscale.db.queries import NewFact, top_k_facts, upsert_facts
+from inferscale.db.tables import facts
+from inferscale.embedder import Embedder, load_embedder
+from inferscale.settings import Settings
+
+FACTS_PER_USER = (1_000, 10_000)
+OWNERS = 2  # the measured owner and one other with as many facts: the filter has work to do
+WARMUP = 5
+
+
+def _ms(samples: list[float]) -> dict:
+    ms = [s * 1e3 for s in samples]
+    return {"p50_ms": statistics.median(ms), "p90_ms": percentile(ms, 90)}
+
+
+def _timed(fn, inputs) -> list[float]:
+    for item in inputs[:WARMUP]:
+        fn(item)
+    samples = []
+    for item in inputs:
+        began = time.perf_counter()
+        fn(item)
+        samples.append(time.perf_counter() - began)
+    return samples
+
+
+async def _store(engine, users: list[str], n: int, rng: np.random.Generator) -> None:
+    for user in users:
+        vectors = rng.standard_normal((n, 384)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        for start in range(0, n, 2000):
+            rows = [NewFact(user, "bench", (f"t{i}",), 0, "bench", f"fact {i}",
+                            datetime.now(UTC), vectors[i].tolist())
+                    for i in range(start, min(start + 2000, n))]
+            async with engine.begin() as conn:
+                await upsert_facts(conn, rows)
+
+
+async def _search_times(engine, user: str, vectors: np.ndarray, k: int) -> list[float]:
+    samples = []
+    for i, vector in enumerate(vectors):
+        began = time.perf_counter()
+        async with engine.begin() as conn:
+            await top_k_facts(conn, user, vector.tolist(), k)
+        if i >= WARMUP:
+            samples.append(time.perf_counter() - began)
+    return samples
+
+
+async def _run(settings: Settings, questions: list[str], ks: tuple[int, ...]) -> dict:
+    fast, slow = load_embedder(settings), Embedder()
+    embed = {"onnx": _ms(_timed(lambda q: fast.encode([q]), questions)),
+             "torch": _ms(_timed(lambda q: slow.encode([q]), questions))}
+    vectors = fast.encode(questions)
+    engine = create_engine(settings=settings)
+    rng, searches = np.random.default_rng(0), []
+    try:
+        for n in FACTS_PER_USER:
+            users = [f"bench-retrieval-{uuid.uuid4().hex[:8]}" for _ in range(OWNERS)]
+            await _store(engine, users, n, rng)
+            for k in ks:
+                samples = await _search_times(engine, users[0], vectors, k)
+                searches.append({"facts_per_user": n, "k": k, **_ms(samples)})
+            async with engine.begin() as conn:
+                await conn.execute(delete(facts).where(facts.c.user_id.in_(users)))
+    finally:
+        await engine.dispose()
+    return {"embed": embed, "search": searches}
+
+
+def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 60,
+        ks: tuple[int, ...] = (20, 50)) -> dict:
+    """Time ``n_queries`` LoCoMo questions; print and save the report."""
+    questions = [q["question"] for sample in json.loads(data.read_text())
+                 for q in sample.get("qa", []) if "question" in q][:n_queries]
+    result = asyncio.run(_run(settings, questions, ks))
+    print_table(["query embedding", "p50 ms", "p90 ms"],
+                [[name, r["p50_ms"], r["p90_ms"]] for name, r in result["embed"].items()])
+    print_table(["facts per user", "k", "search p50 ms", "p90 ms", "embed (onnx) + search p50"],
+                [[s["facts_per_user"], s["k"], s["p50_ms"], s["p90_ms"],
+                  s["p50_ms"] + result["embed"]["onnx"]["p50_ms"]] for s in result["search"]])
+    report = {"questions": len(questions), "owners_per_size": OWNERS,
+              "fact_vectors": "random unit vectors (search cost does not depend on the text)",
+              **result}
+    write_report(out_dir, "retrieval", report)
+    return report
