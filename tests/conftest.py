@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -201,6 +202,36 @@ def running_server(settings: Settings, log_path: Path, extra_args: list[str]):
         yield server
     finally:
         server.stop()
+
+
+BUCKET = "inferscale-test"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """moto_server on a free port; AWS_* in the environment point boto3 at it."""
+    import boto3
+
+    port = infra._free_port()
+    moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("AWS_PROFILE", raising=False)
+            for name, value in env.items():
+                mp.setenv(name, value)
+            deadline = time.monotonic() + 30
+            while not infra._port_open(port):
+                assert moto.poll() is None and time.monotonic() < deadline, "moto_server died"
+                time.sleep(0.1)
+            boto3.client("s3").create_bucket(Bucket=BUCKET)
+            yield env["AWS_ENDPOINT_URL"]
+    finally:
+        moto.terminate()
+        moto.wait(10)
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import sys
 import threading
-import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +18,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from sqlalchemy import insert
 
-from inferscale import failpoints, infra
+from conftest import BUCKET
+from inferscale import failpoints
 from inferscale.db.tables import facts
 from inferscale.durable import Durable, LocalDir, S3Objects, open_durable, valid_location
 from inferscale.forget import forget_user, sweep_orphan_blobs
@@ -32,37 +31,9 @@ from inferscale.kvstore import (
 )
 from inferscale.settings import S3Url, Settings, settings_env
 
-BUCKET = "inferscale-test"
 FP_A, FP_B = "a" * 64, "b" * 64
 HOSTILE_LOCATIONS = ["../x", "../../etc/passwd", "/etc/passwd", "a/../../x", "a//b", "a/./b",
                      ".hidden/x", "a/b/", "", "a\\..\\b", "a/b\0c", "a/b/.c.safetensors.1.2.tmp"]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """moto_server on a free port; AWS_* in the environment point boto3 at it."""
-    import boto3
-
-    port = infra._free_port()
-    moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.delenv("AWS_PROFILE", raising=False)
-            for name, value in env.items():
-                mp.setenv(name, value)
-            deadline = time.monotonic() + 30
-            while not infra._port_open(port):
-                assert moto.poll() is None and time.monotonic() < deadline, "moto_server died"
-                time.sleep(0.1)
-            boto3.client("s3").create_bucket(Bucket=BUCKET)
-            yield env["AWS_ENDPOINT_URL"]
-    finally:
-        moto.terminate()
-        moto.wait(10)
 
 
 @pytest.fixture(params=["local", "s3"])
