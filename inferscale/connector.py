@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from cachetools import TTLCache
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inferscale.connector")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+# How long the scheduler trusts that a blob it saw is still there. A blob never changes under
+# its name, and one deleted since only costs a recompute of its blocks (the load fails), so the
+# plan check does not ask the durable tier (one HEAD request per fact on S3) at every step.
+PRESENT_TTL_S = 60.0
+PRESENT_MAX = 100_000
 
 
 def _never_raises(fallback: Callable[..., Any]):
@@ -115,6 +121,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                               model_head_dim(hf))
         else:
             self._store = KVStore.from_settings(settings, self._fingerprint, host_bytes=0)
+            self._present: TTLCache[str, bool] = TTLCache(PRESENT_MAX, PRESENT_TTL_S)
 
     # --- scheduler side -----------------------------------------------------------------------
 
@@ -152,7 +159,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         for segment in plan.segments:
             if segment.end > limit or prompt[segment.start:segment.end] != segment.token_ids:
                 break
-            if not self._store.exists(segment.name):
+            if not self._blob_present(segment.name):
                 break
             segments.append(segment)
         end = segments[-1].end if segments else 0
@@ -161,6 +168,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._pending[request.request_id] = LoadSpec(request.request_id, num_computed_tokens,
                                                      end, segments)
         return end - num_computed_tokens, False
+
+    def _blob_present(self, name: str) -> bool:
+        """Whether the durable blob ``name`` exists; positives are remembered (see above)."""
+        if name not in self._present and self._store.exists(name):
+            self._present[name] = True
+        return name in self._present
 
     def _blocks_later(self, request: Request, *_: Any) -> None:
         """build_connector_meta takes the claim's blocks from the scheduler output instead."""

@@ -4,10 +4,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from cachetools import TTLCache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostile import json_values, tried
+from inferscale.connector import PRESENT_MAX, PRESENT_TTL_S
 from inferscale.plan import PLAN_KEY, Plan, PlanError, Segment, _mac, sign, verify
 
 SECRET = "s3cret"
@@ -77,6 +79,7 @@ def scheduler_side(tmp_path_factory):
     connector._secret, connector._fingerprint = SECRET, "f" * 64
     connector._pending, connector._claimed = {}, {}
     connector._store = KVStore(LocalDir(tmp_path_factory.mktemp("kv")), "f" * 64, host_bytes=0)
+    connector._present = TTLCache(PRESENT_MAX, PRESENT_TTL_S)
     return connector
 
 
@@ -96,3 +99,29 @@ def test_hostile_plans_never_claim_and_never_raise(scheduler_side, params, promp
     assert scheduler_side.get_num_new_matched_tokens(request, computed) == (0, False)
     assert scheduler_side.request_finished(request, [])[0] is False
     assert KV_METRICS.hook_errors.labels("get_num_new_matched_tokens")._value.get() == errors
+
+
+def test_the_plan_check_asks_the_durable_tier_once_per_present_blob(scheduler_side, monkeypatch):
+    """A blob seen once is trusted for PRESENT_TTL_S (no HEAD request per fact per step on S3);
+    a missing one is asked for again, so it is claimed as soon as it is written."""
+    import torch
+
+    store = scheduler_side._store
+    asked: list[str] = []
+    exists = store.durable.exists
+    monkeypatch.setattr(store.durable, "exists", lambda loc: asked.append(loc) or exists(loc))
+    monkeypatch.setattr(scheduler_side, "_present", TTLCache(PRESENT_MAX, PRESENT_TTL_S))
+    plan = Plan("f" * 64, [Segment("present-0", 0, [1, 2, 3]), Segment("present-1", 3, [4, 5])])
+    request = SimpleNamespace(request_id="p", kv_transfer_params={PLAN_KEY: sign(plan, SECRET)},
+                              prompt_token_ids=[1, 2, 3, 4, 5, 6])
+    kv = torch.zeros((2, 3, 1, 4), dtype=torch.bfloat16)
+    store.put("present-0", kv, kv.clone(), [1, 2, 3], window=0)
+    assert scheduler_side.get_num_new_matched_tokens(request, 0) == (3, False)
+    assert len(asked) == 2  # present-0 found, present-1 missing
+    assert scheduler_side.get_num_new_matched_tokens(request, 0) == (3, False)
+    assert len(asked) == 3  # only the missing one again
+    store.put("present-1", kv[:, :2], kv[:, :2].clone(), [4, 5], window=0)
+    assert scheduler_side.get_num_new_matched_tokens(request, 0) == (5, False)
+    assert scheduler_side.get_num_new_matched_tokens(request, 0) == (5, False)
+    assert len(asked) == 4
+    scheduler_side._pending.clear()
