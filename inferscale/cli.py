@@ -160,6 +160,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.bench import retrieval
 
         retrieval.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
+    elif args.which == "pagein":
+        from inferscale.bench import pagein
+
+        pagein.run(settings, resolve_model_path(settings), out, ks=tuple(args.k))
     return 0
 
 
@@ -240,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
-                                            "load", "extract", "retrieval"])
+                                            "load", "extract", "retrieval",
+                                            "pagein"])
     p.add_argument("--data", default=str(Path(__file__).parent / "data" /
                                          "sample_conversation.json"),
                    help="a LoCoMo-format file")
@@ -248,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=20,
                    help="facts / queries / turns (extract) per configuration")
     p.add_argument("--k", type=int, nargs="+", default=[0, 5, 10, 20, 50],
-                   help="ttft, retrieval: facts retrieved per question")
+                   help="ttft, retrieval, pagein: facts retrieved per question")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none")

@@ -15,7 +15,8 @@ def _compose() -> dict:
 
 def test_services_present_and_wired():
     services = _compose()["services"]
-    assert {"kafka", "postgres", "migrate", "worker", "server"} <= set(services)
+    assert {"kafka", "postgres", "minio", "bucket", "migrate", "worker", "server",
+            "router"} <= set(services)
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"
     assert "pgvector" in services["postgres"]["image"]
     assert services["migrate"]["command"] == ["db", "upgrade"]
@@ -23,6 +24,26 @@ def test_services_present_and_wired():
     assert worker_deps["migrate"]["condition"] == "service_completed_successfully"
     gpu = services["server"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"]
+
+
+def test_replicas_share_the_bucket_behind_a_sticky_router():
+    """Workers and servers write and read KV in MinIO (no shared volume), the bucket exists
+    before they start, and only the router publishes the API port."""
+    compose = _compose()
+    services = compose["services"]
+    assert services["server"]["deploy"]["replicas"] >= 2
+    for name in ("worker", "server"):
+        env = services[name]["environment"]
+        assert Settings(kv_url=env["INFERSCALE_KV_URL"]).kv_bucket is not None
+        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        assert services[name]["depends_on"]["bucket"]["condition"] == (
+            "service_completed_successfully")
+        assert not any(v.startswith("kv-data") for v in services[name].get("volumes", []))
+        assert "ports" not in services[name]
+    assert services["router"]["ports"] == ["8000:8000"]
+    router = compose["configs"]["router"]["content"]
+    assert "server server:8000;" in router and "consistent;" in router
+    assert "$$http_authorization" in router and "proxy_buffering off;" in router
 
 
 def test_the_server_starts_with_api_keys():
