@@ -26,7 +26,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import httpx
 import pytest
@@ -234,15 +234,26 @@ async def _outages(drill: Drill, engine, prefix: str, local: Settings, broker: S
                               round(drill.elapsed() - at, 2), "counts_before": before})
 
 
+@pytest.mark.parametrize("kv", ["local", "s3"])
 async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings, engine,
-                                                        tiny_models, tmp_path, s3_broker):
+                                                        tiny_models, tmp_path, s3_broker, kv,
+                                                        monkeypatch):
+    """``kv``: the durable KV tier is a directory, or a bucket on the broker's moto_server."""
     broker, bootstrap = s3_broker
+    kv_url = str(tmp_path / "kv")
+    if kv == "s3":
+        import boto3
+
+        monkeypatch.setenv("AWS_ENDPOINT_URL", os.environ["AWS_ENDPOINT"])
+        boto3.client("s3").create_bucket(
+            Bucket="kv", CreateBucketConfiguration={"LocationConstraint": "eu-west-2"})
+        kv_url = "s3://kv/drill"
     local = base_settings.model_copy(update={"kafka_bootstrap": None, "database_url": None})
     prefix = f"drill-{uuid.uuid4().hex[:6]}"
     events = _events(prefix, USERS, TURNS)
     cfg = settings.model_copy(update={
         "kafka_bootstrap": bootstrap, "model_path": tiny_models["llama"],
-        "kv_dir": tmp_path / "kv", "data_dir": tmp_path, "window": 2,
+        "kv_url": kv_url, "data_dir": tmp_path, "window": 2,
         "ingest_batch_size": 50, "encode_batch_size": 16})
     # A killed worker's claims come back after a short lease. The drill kills workers whatever
     # they encode, so no fact is to blame: no quarantine after a few deaths here.
@@ -308,9 +319,10 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
     store = KVStore.from_settings(cfg, model_fingerprint(tiny_models["llama"]), host_bytes=0)
     for row in rows:
         store.get(row.kv_location, row.kv_checksum)  # verifies content and fingerprint
-    blob_names = {p.name for p in cfg.kv_path.rglob("*.safetensors")} - {
+    blob_names = {PurePosixPath(location).name for location in store.durable.list()} - {
         "preamble.safetensors", *(f"{fact_id}.safetensors" for fact_id in others)}
-    temp_files = list(cfg.kv_path.rglob("*.tmp"))
+    temp_files = list(cfg.kv_path.rglob("*.tmp"))  # S3: nothing on local disk at all
+    assert kv == "local" or not cfg.kv_path.exists()
     dead_lettered = await read_topic(bootstrap, cfg.dead_letter_topic, 1, timeout_s=3)
     writes: dict[int, int] = {}
     for path in logs.glob("*.log"):
@@ -347,7 +359,9 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
     }
     print(json.dumps(report, indent=1))
     if REPORT:
-        Path(REPORT).write_text(json.dumps(report, indent=1) + "\n")
+        path = Path(REPORT)
+        path = path if kv == "local" else path.with_name(f"{path.stem}-s3{path.suffix}")
+        path.write_text(json.dumps(report, indent=1) + "\n")
 
     assert len(drill.deaths) >= MIN_KILLS and len(causes) >= 4, drill.deaths
     assert len(drill.outages) == (1 if EXTERNAL_INFRA else 2)
