@@ -246,8 +246,8 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
 
         monkeypatch.setenv("AWS_ENDPOINT_URL", os.environ["AWS_ENDPOINT"])
         boto3.client("s3").create_bucket(
-            Bucket="kv", CreateBucketConfiguration={"LocationConstraint": "eu-west-2"})
-        kv_url = "s3://kv/drill"
+            Bucket="kv-drill", CreateBucketConfiguration={"LocationConstraint": "eu-west-2"})
+        kv_url = "s3://kv-drill/drill"
     local = base_settings.model_copy(update={"kafka_bootstrap": None, "database_url": None})
     prefix = f"drill-{uuid.uuid4().hex[:6]}"
     events = _events(prefix, USERS, TURNS)
