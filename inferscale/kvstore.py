@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
@@ -117,9 +117,11 @@ class KVStore:
         shard = hashlib.sha1(name.encode()).hexdigest()[:2]
         return f"{(fingerprint or self.fingerprint)[:16]}/{shard}/{name}.safetensors"
 
-    def locations_of(self, name: str) -> list[str]:
-        """Where a blob named ``name`` would be for every model this durable tier holds."""
-        return [self.location_for(name, model) for model in self.durable.folders()]
+    def locations_of(self, names: Iterable[str]) -> list[str]:
+        """Where blobs named ``names`` would be for every model this durable tier holds (the
+        models are listed once: one LIST request on S3, not one per name)."""
+        models = list(self.durable.folders())
+        return [self.location_for(name, model) for name in names for model in models]
 
     def exists(self, name: str) -> bool:
         """Whether this model's durable blob ``name`` exists."""
@@ -170,21 +172,23 @@ class KVStore:
         return None if blob is None else self._on_device(location, blob)
 
     def _page_in(self, location: str, expected_checksum: str | None) -> KVBlob:
-        """The blob from the durable tier (verified), cached in host RAM and on the device."""
+        """The blob from the durable tier (verified), cached in host RAM. Thread-safe: device
+        copies stay on the caller's thread (its current device and stream)."""
         with KV_METRICS.page_in_seconds.time():
             blob = self._read_durable(location, expected_checksum)
         self.host.put(location, blob)
-        return self._on_device(location, blob)
+        return blob
 
     def get(self, location: str, expected_checksum: str | None = None) -> KVBlob:
         """The blob on this store's device: device cache -> host cache -> durable (verified)."""
         blob = self._from_memory(location)
-        return blob if blob is not None else self._page_in(location, expected_checksum)
+        return blob if blob is not None else self._on_device(
+            location, self._page_in(location, expected_checksum))
 
     def get_many(self, locations: list[str], checksums: list[str | None]) -> list[KVBlob]:
         """The blobs at ``locations`` (with their expected checksums), in order, as ``get``
-        gives them: memory-tier hits first, then the misses paged in concurrently. The error
-        of the first blob that fails is raised."""
+        gives them: memory-tier hits first, then the misses paged in concurrently. Every
+        page-in has ended when it returns; the error of the first blob that failed is raised."""
         if len(locations) != len(checksums):
             raise ValueError(f"{len(locations)} locations but {len(checksums)} checksums")
         blobs = [self._from_memory(location) for location in locations]
@@ -192,7 +196,9 @@ class KVStore:
         for location, checksum, blob in zip(locations, checksums, blobs, strict=True):
             if blob is None and (location, checksum) not in misses:
                 misses[location, checksum] = self._pool.submit(self._page_in, location, checksum)
-        return [blob if blob is not None else misses[location, checksum].result()
+        wait(misses.values())
+        return [blob if blob is not None else self._on_device(
+                    location, misses[location, checksum].result())
                 for location, checksum, blob in zip(locations, checksums, blobs, strict=True)]
 
     def load(self, name: str, expected_checksum: str | None = None) -> KVBlob:

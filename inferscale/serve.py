@@ -100,10 +100,10 @@ def start_server(settings: Settings, extra_args: list[str] | None = None,
     """Start the server in the background (after making sure the preamble KV and the query
     embedder's ONNX export exist, so the first request pays for neither)."""
     ensure_preamble_kv(settings, resolve_model_path(settings))
-    if settings.embed_queries_with_onnx:
-        from inferscale.embedder import load_embedder
+    from inferscale.embedder import Embedder, onnx_cache
 
-        load_embedder(settings)
+    if (cache := onnx_cache(settings)) is not None:
+        Embedder(settings.embedder, onnx_cache=cache)  # makes the export; not kept in memory
     argv, env = server_command(settings, extra_args)
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the process
     return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,

@@ -15,15 +15,17 @@ def _compose() -> dict:
 
 def test_services_present_and_wired():
     services = _compose()["services"]
-    assert {"kafka", "postgres", "minio", "bucket", "migrate", "worker", "server",
-            "router"} <= set(services)
+    assert {"kafka", "postgres", "minio", "bucket", "migrate", "worker-1", "worker-2",
+            "server-1", "server-2", "router"} <= set(services)
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"
     assert "pgvector" in services["postgres"]["image"]
     assert services["migrate"]["command"] == ["db", "upgrade"]
-    worker_deps = services["worker"]["depends_on"]
+    worker_deps = services["worker-1"]["depends_on"]
     assert worker_deps["migrate"]["condition"] == "service_completed_successfully"
-    gpu = services["server"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["capabilities"] == ["gpu"]
+    gpus = [services[name]["deploy"]["resources"]["reservations"]["devices"][0]
+            for name in ("server-1", "server-2", "worker-1", "worker-2")]
+    assert all(gpu["capabilities"] == ["gpu"] for gpu in gpus)
+    assert sorted(d for gpu in gpus for d in gpu["device_ids"]) == ["0", "1", "2", "3"]
 
 
 def test_replicas_share_the_bucket_behind_a_sticky_router():
@@ -31,8 +33,7 @@ def test_replicas_share_the_bucket_behind_a_sticky_router():
     before they start, and only the router publishes the API port."""
     compose = _compose()
     services = compose["services"]
-    assert services["server"]["deploy"]["replicas"] >= 2
-    for name in ("worker", "server"):
+    for name in ("worker-1", "worker-2", "server-1", "server-2"):
         env = services[name]["environment"]
         assert Settings(kv_url=env["INFERSCALE_KV_URL"]).kv_bucket is not None
         assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
@@ -41,14 +42,17 @@ def test_replicas_share_the_bucket_behind_a_sticky_router():
         assert not any(v.startswith("kv-data") for v in services[name].get("volumes", []))
         assert "ports" not in services[name]
     assert services["router"]["ports"] == ["8000:8000"]
+    assert {name: dep["condition"] for name, dep in services["router"]["depends_on"].items()} == {
+        "server-1": "service_healthy", "server-2": "service_healthy"}
     router = compose["configs"]["router"]["content"]
-    assert "server server:8000;" in router and "consistent;" in router
+    assert "server server-1:8000 resolve;" in router and "server server-2:8000 resolve;" in router
+    assert "consistent;" in router and "resolver 127.0.0.11" in router
     assert "$$http_authorization" in router and "proxy_buffering off;" in router
 
 
 def test_the_server_starts_with_api_keys():
     """A server on 0.0.0.0 needs keys: compose refuses to start without them."""
-    env = _compose()["services"]["server"]["environment"]
+    env = _compose()["services"]["server-1"]["environment"]
     assert env["INFERSCALE_SERVER_HOST"] == "0.0.0.0"
     assert env["INFERSCALE_API_KEYS"].startswith("${INFERSCALE_API_KEYS:?")
     assert "INFERSCALE_ALLOW_ANONYMOUS" not in env

@@ -47,3 +47,17 @@ def test_settings_choose_the_query_path(base_settings):
     assert off._session is None and on._session is not None
     assert load_embedder(base_settings) is on  # one per process and settings
     assert (base_settings.data_dir / "embedders").is_dir()
+
+
+def test_a_damaged_export_falls_back_to_torch_and_is_made_again(onnx_embedder, onnx_cache,
+                                                                 tmp_path, caplog):
+    export = next(onnx_cache.iterdir())
+    damaged = tmp_path / "embedders"
+    damaged.mkdir()
+    (damaged / export.name).write_bytes(b"not an onnx model")
+    fallback = Embedder(onnx_cache=damaged)
+    assert fallback._session is None and "embedding them with torch" in caplog.text
+    assert np.allclose(fallback.encode(["cat"]), onnx_embedder.encode(["cat"]), atol=1e-4)
+    assert not (damaged / export.name).exists()  # removed, so the next start exports again
+    again = Embedder(onnx_cache=damaged)
+    assert again._session is not None and (damaged / export.name).stat().st_size > 1000

@@ -5,6 +5,7 @@ import uuid
 from datetime import UTC, datetime
 
 import numpy as np
+from sqlalchemy import text
 
 from inferscale.db.queries import NewFact, top_k_facts, upsert_facts
 from inferscale.retrieval import retrieve
@@ -60,6 +61,7 @@ async def test_owner_filter_never_starves_the_hnsw_scan(engine):
                     embedding=(vec / np.linalg.norm(vec)).tolist())
             for user, vectors in ((others, near), (owner, far)) for i, vec in enumerate(vectors)]
     async with engine.begin() as conn:
+        assert await conn.scalar(text("SHOW hnsw.iterative_scan")) == "strict_order"
         await upsert_facts(conn, rows)
         hits = await top_k_facts(conn, owner, query.tolist(), 5)
     assert [h.text.split()[0] for h in hits] == [owner] * 5

@@ -58,6 +58,9 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
     """Write max(ks) blobs of the serving model's shape (bf16) to each durable tier; time
     page-ins of k of them. Local reads come from the OS page cache (the blobs were just
     written): what is measured is the read path, decode and verification, not the disk."""
+    ks = tuple(k for k in ks if k > 0)
+    if not ks:
+        raise ValueError("pagein needs some k > 0")
     config = AutoConfig.from_pretrained(model_path)
     shape = (config.num_hidden_layers, config.num_key_value_heads, model_head_dim(config))
     dtype = torch.bfloat16  # as vLLM serves on CPU
