@@ -61,3 +61,14 @@ def test_a_damaged_export_falls_back_to_torch_and_is_made_again(onnx_embedder, o
     assert not (damaged / export.name).exists()  # removed, so the next start exports again
     again = Embedder(onnx_cache=damaged)
     assert again._session is not None and (damaged / export.name).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "", "[]", "null"])
+def test_the_onnx_setting_refuses_what_is_not_a_boolean(value, monkeypatch):
+    from pydantic import ValidationError
+
+    from inferscale.settings import Settings
+
+    monkeypatch.setenv("INFERSCALE_EMBED_QUERIES_WITH_ONNX", value)
+    with pytest.raises(ValidationError):
+        Settings()
