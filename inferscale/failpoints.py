@@ -2,7 +2,8 @@
 
 Armed from ``INFERSCALE_FAILPOINTS`` (read once at import) or with :func:`arm`, as a comma list
 of ``name=action[@probability][~needle]``; actions are ``kill`` (SIGKILL this process: no
-cleanup, no flush, like a power cut) or ``error:ENOSPC`` / ``error:EACCES`` (raise that
+cleanup, no flush, like a power cut), ``hang`` (block the calling thread for good, like a call
+that never returns) or ``error:ENOSPC`` / ``error:EACCES`` (raise that
 ``OSError``); with ``~needle`` the point acts only when the text it is passed contains needle
 (a poison input). Example: ``INFERSCALE_FAILPOINTS="kv.mid_write=kill@0.02"``. Unarmed points
 cost one dict lookup.
@@ -22,6 +23,7 @@ import errno
 import os
 import random
 import signal
+import threading
 
 POINTS = ("ingest.before_db_commit", "ingest.before_offset_commit", "extract.before_model",
           "extract.before_db_commit", "kv.mid_write", "kv.before_rename",
@@ -39,9 +41,9 @@ def arm(spec: str) -> None:
         action, _, probability = rest.partition("@")
         if name not in POINTS:
             raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(POINTS)}")
-        if action != "kill" and not (action.startswith("error:")
+        if action not in ("kill", "hang") and not (action.startswith("error:")
                                      and hasattr(errno, action.removeprefix("error:"))):
-            raise ValueError(f"bad failpoint action {action!r}: use kill or error:<ERRNO>")
+            raise ValueError(f"bad failpoint action {action!r}: use kill, hang or error:<ERRNO>")
         armed[name] = (action, float(probability or 1.0), needle)
     _armed.clear()
     _armed.update(armed)
@@ -56,6 +58,8 @@ def hit(name: str, text: str = "") -> None:
     action = armed[0]
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hang":
+        threading.Event().wait()
     code = getattr(errno, action.removeprefix("error:"))
     raise OSError(code, f"{os.strerror(code)} (failpoint {name})")
 

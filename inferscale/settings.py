@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     drain_idle_s: float = 3.0
     max_pending_facts: int = 2000  # facts to encode + turns to extract: pauses consumption
     worker_http_port: int | None = None
+    # A worker asked to stop (SIGTERM/SIGINT) finishes its current batches; one still running
+    # after this long logs where it is stuck and exits anyway (its unacknowledged work is
+    # redone by another worker). Keep it below the orchestrator's grace period (30 s).
+    worker_shutdown_s: float = Field(default=25.0, gt=0)
     log_format: str = "text"
 
     # Extraction: "turn" keeps each turn as one fact; "llm" asks a language model for short

@@ -2,14 +2,21 @@
 
 import asyncio
 import contextlib
+import signal
 import socket
 import threading
+import time
+import uuid
 
 import httpx
+import pytest
+from sqlalchemy import select
 
-from helpers import sample_turns
+from helpers import sample_turns, turn
 from inferscale.db.queries import count_user_rows
+from inferscale.db.tables import facts, turns
 from inferscale.kafka import ensure_topics, publish_turns
+from inferscale.stack import worker_process
 from workers import run
 from workers.ingest import IngestWorker
 from workers.observe import HealthServer
@@ -103,3 +110,44 @@ async def _readyz_becomes(client: httpx.AsyncClient, status: int, timeout_s: flo
                 return True
         await asyncio.sleep(0.25)
     return False
+
+
+@pytest.mark.parametrize("point, reached", [
+    # a model call that never returns, in the encode stage's thread: the loop reports and exits
+    ("encode.before_forward", facts.c.encode_claims > 0),
+    # a call that blocks the event loop itself: faulthandler dumps the threads and exits
+    ("ingest.before_offset_commit", turns.c.turn_id.is_not(None)),
+])
+async def test_a_stuck_worker_still_stops_by_its_deadline(settings, engine, tiny_models, tmp_path,
+                                                          monkeypatch, point, reached):
+    user = f"stuck-{uuid.uuid4().hex[:6]}"
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic,
+                        [turn(user, "t0", "Kim", "I like tea.")], progress=False)
+    cfg = settings.model_copy(update={"model_path": tiny_models["llama"], "window": 1,
+                                      "kv_dir": tmp_path / "kv", "worker_shutdown_s": 2.0})
+    monkeypatch.setenv("INFERSCALE_FAILPOINTS", f"{point}=hang")
+    table = facts if point.startswith("encode") else turns
+    log_path = tmp_path / "worker.log"
+    with worker_process(cfg, log_path) as proc:
+        for _ in range(360):
+            async with engine.connect() as conn:
+                if (await conn.execute(select(table.c.user_id).where(
+                        table.c.user_id == user, reached))).first():
+                    break
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            await asyncio.sleep(0.5)
+        else:
+            raise AssertionError("the failpoint was not reached in 180 s")
+        await asyncio.sleep(2)  # from the row's commit to the failpoint: a few statements
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        code = await asyncio.to_thread(proc.wait, 60)
+        took = time.monotonic() - began
+    log = log_path.read_text(errors="replace")
+    assert code == 1, log[-3000:]
+    assert cfg.worker_shutdown_s <= took < 60
+    if point.startswith("encode"):
+        assert "did not stop within 2s" in log and "encode: EncodeWorker.run" in log, log[-3000:]
+    else:
+        assert "Timeout (0:00:07)!" in log and "in hit" in log, log[-3000:]

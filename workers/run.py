@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
+import os
 import signal
 
 from inferscale.db.engine import create_engine
@@ -53,6 +55,55 @@ def _log_death(task: asyncio.Task) -> None:
                   exc_info=task.exception())
 
 
+def _suspended_at(task: asyncio.Task) -> str:
+    """Where a task waits: its chain of awaited coroutines, outermost first."""
+    where, coro = [], task.get_coro()
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        where.append(f"{coro.cr_frame.f_code.co_qualname}:{coro.cr_frame.f_lineno}")
+        coro = coro.cr_await
+    return f"{task.get_name()}: {' > '.join(where)}"
+
+
+def _give_up(timeout_s: float) -> None:
+    """The stop took too long: say where each task is stuck and exit without finishing."""
+    stuck = [_suspended_at(t) for t in asyncio.all_tasks() if not t.done()]
+    log.error("did not stop within %.0fs; exiting without finishing (the work not yet committed "
+              "is redone by another worker); stuck: %s", timeout_s, "; ".join(stuck))
+    logging.shutdown()
+    os._exit(1)
+
+
+class _Shutdown:
+    """SIGTERM/SIGINT: stop the stages once, with a deadline. The deadline is armed in the
+    signal handler itself, so it holds even when the event loop is blocked: after
+    ``timeout_s`` the loop logs the stuck tasks and exits; a few seconds later, if the loop
+    could not, faulthandler dumps every thread's stack and exits."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, stop) -> None:
+        self.loop, self.timeout_s, self.stop = loop, timeout_s, stop
+        self.requested = False
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self.requested:
+            return
+        self.requested = True
+        faulthandler.dump_traceback_later(self.timeout_s + 5, exit=True)
+        self.loop.call_soon_threadsafe(self._begin, signal.Signals(signum).name)
+
+    def _begin(self, name: str) -> None:
+        log.info("%s: finishing the current batches (at most %.0fs)", name, self.timeout_s)
+        self.loop.call_later(self.timeout_s, _give_up, self.timeout_s)
+        self.stop()
+
+    def restore(self) -> None:
+        """Put the previous handlers back; an armed deadline stays until the process exits."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
 async def run_worker(settings: Settings, drain: bool = False) -> dict:
     """Consume, extract and encode until SIGTERM/SIGINT (or drained with ``drain``)."""
     engine = create_engine(settings=settings)
@@ -93,8 +144,7 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
         extract.request_stop()
         encode.request_stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
+    shutdown = _Shutdown(loop, settings.worker_shutdown_s, stop)
     try:
         await ingest.run(drain=drain)
         if drain:
@@ -107,8 +157,7 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
             await extracting
         await encoding
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        shutdown.restore()
         for task in (extracting, encoding, ready):  # none outlives the worker (cancelled too)
             task.cancel()
         await asyncio.gather(extracting, encoding, ready, return_exceptions=True)
