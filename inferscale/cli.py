@@ -90,7 +90,7 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
         return 0 if response.status_code == 200 else 1
 
     from inferscale.db.engine import create_engine
-    from inferscale.forget import forget_user, sweep_orphan_blobs
+    from inferscale.forget import forget_user
     from inferscale.infra import resolve_kafka_bootstrap
     from inferscale.invalidation import publish_invalidation
     from inferscale.kvstore import KVStore
@@ -100,17 +100,16 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
         try:
             store = KVStore.from_settings(settings, fingerprint="", host_bytes=0)
             forgotten = await forget_user(engine, store, args.user)
-            orphans = await sweep_orphan_blobs(engine, store)
         finally:
             await engine.dispose()
         await publish_invalidation(resolve_kafka_bootstrap(settings),
                                    settings.invalidation_topic, args.user, forgotten.locations)
-        return forgotten, orphans
+        return forgotten
 
-    forgotten, orphans = asyncio.run(go())
-    print(f"forgot user {args.user!r}: {forgotten.facts} facts, {forgotten.blobs} KV blobs, "
-          f"{orphans} orphan blobs swept; running servers purge their memory tiers and prefix "
-          "caches through the invalidation topic")
+    forgotten = asyncio.run(go())
+    print(f"forgot user {args.user!r}: {forgotten.facts} facts, {forgotten.blobs} KV blobs; "
+          "running servers purge their memory tiers and prefix caches through the invalidation "
+          "topic")
     return 0
 
 

@@ -31,6 +31,7 @@ S3_MAX_ATTEMPTS = 3  # botocore "standard" retries: throttling, 5xx, connection 
 # longer is better recomputed by the engine than waited for (botocore's defaults are 60 s).
 S3_CONNECT_TIMEOUT_S = 2.0
 S3_READ_TIMEOUT_S = 5.0
+S3_DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 
 
 class KVBlobError(RuntimeError):
@@ -75,6 +76,10 @@ class Durable(ABC):
     def delete(self, location: str) -> bool:
         """Remove the blob; whether there was one."""
         return valid_location(location) and self._delete(location)
+
+    def delete_many(self, locations: list[str]) -> int:
+        """Remove the blobs; how many there were (each location counted once)."""
+        return sum(self.delete(location) for location in dict.fromkeys(locations))
 
     def list(self, prefix: str = "") -> Iterator[str]:
         """Locations of every blob under the folder ``prefix`` ("" or ending in "/"); none
@@ -173,7 +178,9 @@ class LocalDir(Durable):
 class S3Objects(Durable):
     """Objects ``<prefix>/<location>`` in an S3-compatible bucket, through one boto3 client
     (thread-safe, pooled connections, botocore's standard retries). Endpoint, region and
-    credentials come the usual AWS way (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...)."""
+    credentials come the usual AWS way (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
+    Opening checks the bucket: a wrong name or credentials fail at start with ``OSError``,
+    not later as every blob "missing"."""
 
     def __init__(self, bucket: str, prefix: str = ""):
         import boto3
@@ -185,6 +192,23 @@ class S3Objects(Durable):
             max_pool_connections=S3_CONNECTIONS, connect_timeout=S3_CONNECT_TIMEOUT_S,
             read_timeout=S3_READ_TIMEOUT_S,
             retries={"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}))
+        self._check_bucket()
+
+    def _check_bucket(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        where = f"s3://{self.bucket} at {self._client.meta.endpoint_url}"
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in ("404", "NoSuchBucket"):
+                raise OSError(errno.ENOENT, f"{where}: no such bucket") from None
+            if code in ("403", "AccessDenied"):
+                raise OSError(errno.EACCES, f"{where}: access denied (credentials?)") from None
+            raise OSError(errno.EIO, f"{where}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise OSError(errno.EIO, f"{where}: {exc}") from exc
 
     @contextlib.contextmanager
     def _errors(self, location: str, missing: str = "NoSuchKey") -> Iterator[None]:
@@ -225,6 +249,24 @@ class S3Objects(Durable):
         with self._errors(location):
             self._client.delete_object(Bucket=self.bucket, Key=self.prefix + location)
         return True
+
+    def delete_many(self, locations: list[str]) -> int:
+        """HEAD requests in parallel (to count what was there), then DeleteObjects by 1,000."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        candidates = [loc for loc in dict.fromkeys(locations) if valid_location(loc)]
+        with ThreadPoolExecutor(S3_CONNECTIONS) as pool:
+            present = [loc for loc, there in zip(candidates, pool.map(self._exists, candidates),
+                                                 strict=True) if there]
+        for start in range(0, len(present), S3_DELETE_BATCH):
+            batch = present[start:start + S3_DELETE_BATCH]
+            with self._errors(batch[0]):
+                response = self._client.delete_objects(Bucket=self.bucket, Delete={
+                    "Objects": [{"Key": self.prefix + loc} for loc in batch], "Quiet": True})
+            if errors := response.get("Errors"):
+                raise OSError(errno.EIO, f"s3://{self.bucket}: {len(errors)} of {len(batch)} "
+                                         f"deletes failed, first: {errors[0]}")
+        return len(present)
 
     def _pages(self, prefix: str, **kwargs) -> Iterator[dict]:
         with self._errors(prefix):

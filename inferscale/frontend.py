@@ -397,9 +397,9 @@ class MemoryFrontend:
             bootstrap, self.settings.invalidation_topic, lambda locs: _purge(app, locs)))
 
     async def _forget(self, scope, body: bytes, headers: dict[str, str]) -> dict:
-        """Forget a user: rows (with a tombstone), durable blobs and orphans, this server's
-        memory tiers and prefix cache now, every other server's through an invalidation."""
-        from inferscale.forget import forget_user, sweep_orphan_blobs
+        """Forget a user: rows (with a tombstone), durable blobs, this server's memory tiers and
+        prefix cache now, every other server's through an invalidation."""
+        from inferscale.forget import forget_user
         from inferscale.invalidation import publish_invalidation
 
         data = _parse_json(body)
@@ -409,14 +409,13 @@ class MemoryFrontend:
         authorize(self.settings, headers, user)
         rt = await self._rt()
         forgotten = await forget_user(rt.engine, rt.store, user)
-        orphans = await sweep_orphan_blobs(rt.engine, rt.store)
         purged, reset = await _purge(scope["app"], forgotten.locations)
         if (bootstrap := self._bootstrap()) is not None:
             await publish_invalidation(bootstrap, self.settings.invalidation_topic, user,
                                        forgotten.locations)
         log.info("forgot a user", extra={"facts": forgotten.facts, "blobs": forgotten.blobs})
         return {"user": user, "facts_deleted": forgotten.facts, "blobs_deleted": forgotten.blobs,
-                "orphan_blobs_deleted": orphans, "purged_from_memory": purged,
+                "purged_from_memory": purged,
                 "prefix_cache_reset": reset}
 
     async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]

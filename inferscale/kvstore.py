@@ -222,7 +222,7 @@ class KVStore:
     def delete(self, locations: list[str]) -> int:
         """Remove blobs from every tier; returns how many durable blobs were removed."""
         self.evict(locations)
-        return sum(self.durable.delete(location) for location in locations)
+        return self.durable.delete_many(locations)
 
     def fact_blobs(self) -> Iterator[tuple[int, str]]:
         """(fact id, location) of every durable fact blob, of any model."""

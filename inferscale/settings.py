@@ -123,6 +123,9 @@ class Settings(BaseSettings):
     # lease, and after encode_max_crashes such deaths the fact is quarantined (served as text).
     encode_lease_s: float = 120.0
     encode_max_crashes: int = 3
+    # Every encode stage removes orphan blobs (their fact is gone: a worker died between its
+    # write and its check) at start and then this often; each sweep lists the whole tier.
+    orphan_sweep_s: float = Field(default=3600.0, gt=0)
     # Share of time the encode stage may be busy (1.0 = flat out). Below 1 it rests after each
     # batch, leaving the shared device (CPU cores or GPU) to serving: less TTFT, later KV.
     encode_duty_cycle: float = Field(default=1.0, gt=0.0, le=1.0)

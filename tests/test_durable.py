@@ -119,6 +119,28 @@ def test_delete_removes_every_tier_and_counts_what_was_there(store):
     assert not store.durable.delete(gone.location)
 
 
+def test_deletes_go_in_batches_and_count_each_blob_once(store, monkeypatch):
+    monkeypatch.setattr("inferscale.durable.S3_DELETE_BATCH", 2)  # S3: 3 DeleteObjects requests
+    blobs = [store.put(str(n), *_kv(seed=n), [1] * 5, window=0).location for n in range(5)]
+    kept = store.put("9", *_kv(), [1] * 5, window=0).location
+    asked = [*blobs, blobs[0], "absent/xx/7.safetensors", *HOSTILE_LOCATIONS]
+    assert store.delete(asked) == 5
+    assert list(store.durable.list()) == [kept]
+
+
+def test_a_missing_bucket_fails_at_open(s3_endpoint, tmp_path):
+    with pytest.raises(OSError, match="no such bucket") as raised:
+        open_durable(Settings(data_dir=tmp_path, kv_url="s3://no-such-bucket/kv"))
+    assert raised.value.errno == errno.ENOENT
+
+
+async def test_liveness_of_more_ids_than_a_query_takes_parameters(engine):
+    from inferscale.db.queries import existing_fact_ids
+
+    async with engine.connect() as conn:
+        assert await existing_fact_ids(conn, range(10**15, 10**15 + 40_000)) == set()
+
+
 def test_listing_every_model_and_fact(store):
     other_model = KVStore(store.durable, FP_B, host_bytes=0)
     a1 = store.put("1", *_kv(), [1] * 5, window=0).location
@@ -224,7 +246,12 @@ def test_s3_prefixes_do_not_overlap_and_storage_failures_are_os_errors(s3_endpoi
     assert list(short.list()) == [] and list(short.folders()) == []
     assert not short.exists("m/00/1.safetensors")
     assert list(long.list()) == ["m/00/1.safetensors"] and list(long.folders()) == ["m"]
-    nowhere = S3Objects("no-such-bucket-here", "kv")
+    import boto3
+
+    gone = f"gone-{top}"  # a bucket removed after the tier was opened
+    boto3.client("s3").create_bucket(Bucket=gone)
+    nowhere = S3Objects(gone, "kv")
+    boto3.client("s3").delete_bucket(Bucket=gone)
     for action in (lambda: nowhere.read("m/00/1.safetensors"),
                    lambda: nowhere.write("m/00/1.safetensors", b"x"),
                    lambda: list(nowhere.folders())):
@@ -261,7 +288,7 @@ async def test_forget_and_orphan_sweep_on_the_backend(kv_settings, engine):
     assert list(model_a.durable.list()) == [model_a.location_for("preamble")]
 
 
-def test_kv_url_picks_the_backend(tmp_path, monkeypatch):
+def test_kv_url_picks_the_backend(tmp_path, s3_endpoint, monkeypatch):
     assert Settings(data_dir=tmp_path).kv_bucket is None
     assert open_durable(Settings(data_dir=tmp_path)).root == tmp_path / "kv"
     assert open_durable(Settings(data_dir=tmp_path, kv_dir=tmp_path / "d")).root == tmp_path / "d"
@@ -274,9 +301,8 @@ def test_kv_url_picks_the_backend(tmp_path, monkeypatch):
                         ("s3://abc/", S3Url("abc", "")),
                         ("s3://abc/team/kv/", S3Url("abc", "team/kv"))]:
         assert Settings(kv_url=url).kv_bucket == target
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    s3 = open_durable(Settings(kv_url="s3://abc/team/kv"))
-    assert isinstance(s3, S3Objects) and (s3.bucket, s3.prefix) == ("abc", "team/kv/")
+    s3 = open_durable(Settings(kv_url=f"s3://{BUCKET}/team/kv"))
+    assert isinstance(s3, S3Objects) and (s3.bucket, s3.prefix) == (BUCKET, "team/kv/")
     # The setting travels to child processes.
     child = settings_env(Settings(kv_url="s3://abc/team/kv"))
     assert child["INFERSCALE_KV_URL"] == "s3://abc/team/kv"

@@ -324,6 +324,26 @@ async def test_a_user_forgotten_while_encoding_leaves_no_kv(settings, engine, em
     assert {p.name for p in store.durable.root.rglob("*.safetensors")} == {"preamble.safetensors"}
 
 
+async def test_the_encode_stage_sweeps_orphan_blobs_when_it_starts(settings, engine, embedder,
+                                                                    tiny_encoder, tmp_path):
+    store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
+    turns = sample_turns()[:2]
+    await _ingest(settings, engine, embedder, turns)
+    orphan = store.put(str(10**15), *_kv_like(tiny_encoder), [1], window=0)  # no such fact
+    stats = await EncodeWorker(settings.model_copy(update={"window": 0}), engine, tiny_encoder,
+                               store).run(drain=True)
+    assert stats.encoded >= len(turns)
+    assert not store.durable.exists(orphan.location)
+    kept = {p.name for p in store.durable.root.rglob("*.safetensors")}
+    assert "preamble.safetensors" in kept and len(kept) == stats.encoded + 1
+
+
+def _kv_like(encoder) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's K and V in the shape the encoder stores."""
+    span = encoder.encode([encoder.fact_item("x", [])])[0]
+    return span.k[:, :1].clone(), span.v[:, :1].clone()
+
+
 async def test_a_fact_that_kills_its_worker_is_quarantined_and_the_rest_encode(
         settings, engine, tiny_models, tmp_path, monkeypatch):
     user = f"poison-{uuid.uuid4().hex[:6]}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -28,6 +29,7 @@ from inferscale.db.queries import (
 )
 from inferscale.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.fingerprint import model_fingerprint
+from inferscale.forget import sweep_orphan_blobs
 from inferscale.kvstore import KVStore
 from inferscale.model_prep import resolve_model_path
 from inferscale.retry import retry_transient
@@ -75,6 +77,7 @@ class EncodeWorker(BatchStage):
         self.store = store
         self.stats = EncodeStats()
         self._preamble_ready = False
+        self._next_sweep = 0.0
 
     async def run(self, drain: bool = False) -> EncodeStats:
         """Encode until stopped (or, with ``drain``, until nothing is pending)."""
@@ -88,7 +91,15 @@ class EncodeWorker(BatchStage):
         return await self.encode_pending()
 
     async def before_batch(self) -> None:
-        """Store the preamble's KV once (retried each round while the durable tier fails)."""
+        """Sweep orphan blobs when due; store the preamble's KV once (retried each round while
+        the durable tier fails)."""
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + self.settings.orphan_sweep_s
+            try:
+                if swept := await sweep_orphan_blobs(self.engine, self.store):
+                    log.warning("removed %d orphan KV blobs (their facts are gone)", swept)
+            except Exception as exc:  # noqa: BLE001 - maintenance: tried again at the next sweep
+                log.warning("orphan sweep failed: %s", exc)
         if self._preamble_ready:
             return
         try:

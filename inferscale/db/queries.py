@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import and_, bindparam, delete, func, select, text, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import BigInteger, and_, any_, bindparam, delete, func, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from inferscale.db.tables import facts, forgotten_users, turns
@@ -152,7 +152,10 @@ async def existing_fact_ids(conn: AsyncConnection, fact_ids: Sequence[int]) -> s
     """Which of these fact ids still have a row."""
     if not fact_ids:
         return set()
-    rows = await conn.execute(select(facts.c.id).where(facts.c.id.in_(list(fact_ids))))
+    # One array parameter (= ANY): an IN list binds one parameter per id, and asyncpg takes
+    # at most 32,767 of them, fewer than the blobs a bucket holds.
+    ids = bindparam("ids", list(fact_ids), type_=ARRAY(BigInteger))
+    rows = await conn.execute(select(facts.c.id).where(facts.c.id == any_(ids)))
     return set(rows.scalars().all())
 
 
