@@ -181,6 +181,14 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 def _eval(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale import evaluate
 
+    if args.dataset == "drift":
+        from inferscale import drift
+
+        drift.run(settings, Path(args.data), Path(args.out), conversation=args.conversation,
+                  questions=args.questions, ks=tuple(args.k), strategies=tuple(args.strategies),
+                  w=args.w[0], max_turns=args.max_turns, seed=args.seed, threads=args.threads,
+                  name=args.name, anchor=args.anchor)
+        return 0
     evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
                  questions=args.questions, ks=tuple(args.k), windows=tuple(args.w),
                  contexts=tuple(args.context or [settings.encode_context]),
@@ -255,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ttft, retrieval, pagein: facts retrieved per question")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none")
-    p.add_argument("dataset", choices=["fidelity"])
+    p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none; "
+                                    "drift: offline KL of encoding strategies (HF, no vLLM)")
+    p.add_argument("dataset", choices=["fidelity", "drift"])
     p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--conversations", type=int, default=1)
@@ -275,6 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-turns", type=int, help="ingest only each conversation's first N turns")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversation", type=int, default=0, help="drift: which conversation")
+    p.add_argument("--strategies", nargs="+", default=["oracle", "turns", "neighbours"],
+                   help="drift: encoding strategies (name or name@w): oracle, oracle-local, "
+                        "none, turns, neighbours, neighbours-first, neighbours-len, "
+                        "neighbours-avg, neighbours-rand, neighbours-select, "
+                        "neighbours-all, coret; '-pos0' suffix: the first fact served "
+                        "uses its preamble-only encoding")
+    p.add_argument("--threads", type=int, default=2, help="drift: torch CPU threads")
+    p.add_argument("--name", default="drift", help="drift: report name (<out>/<name>.json)")
+    p.add_argument("--anchor", help="drift: a fixed memory line after the preamble (layout "
+                                    "variant, text and inject alike)")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("demo", help="run the whole pipeline on embedded defaults")

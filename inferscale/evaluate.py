@@ -220,6 +220,13 @@ def _print(summary: dict) -> None:
                  "whole answer", "KL first token", "F1 gap", "gap 95% CI"], rows)
 
 
+def pick_questions(samples: list[dict], questions: int, seed: int) -> list[dict]:
+    """``questions`` random QA items of categories 1-4 (seeded), each with its sample_id."""
+    qa = [{**q, "sample_id": s["sample_id"]} for s in samples for q in s["qa"]
+          if q.get("category") in (1, 2, 3, 4) and "answer" in q]
+    return random.Random(seed).sample(qa, min(questions, len(qa)))
+
+
 def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
         questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
         contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int, ...] = (0,),
@@ -231,10 +238,9 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
     out_dir.mkdir(parents=True, exist_ok=True)
     encodings = [(c, w) for c in contexts for w in windows]
     users = {e: _ingest(settings, samples, e, out_dir, max_turns) for e in encodings}
-    qa = [{**q, "users": {Config("none").encoding: users[encodings[0]][s["sample_id"]],
-                          **{e: users[e][s["sample_id"]] for e in encodings}}}
-          for s in samples for q in s["qa"] if q.get("category") in (1, 2, 3, 4) and "answer" in q]
-    items = random.Random(seed).sample(qa, min(questions, len(qa)))
+    items = [{**q, "users": {Config("none").encoding: users[encodings[0]][q["sample_id"]],
+                             **{e: users[e][q["sample_id"]] for e in encodings}}}
+             for q in pick_questions(samples, questions, seed)]
     plan = configs(list(ks), encodings, list(recomputes), order, oracle)
     with server_process(settings, out_dir / "server.log") as url:
         records = asyncio.run(_ask_all(url, items, plan, max_tokens, settings))

@@ -1,0 +1,67 @@
+"""The offline drift harness on a seeded tiny model (no Kafka, Postgres or vLLM engine)."""
+
+import numpy as np
+import torch
+
+from inferscale.drift import Encodings, Memory, make_strategy, measure
+from inferscale.encoder import FactEncoder
+
+SAID = ["Sam: I moved to Lisbon last month.", "Alex: Do you still work as a nurse?",
+        "Sam: No, I am a marine biologist at the aquarium now.",
+        "Alex: My octopus is called Pickles.", "Sam: I paint sunrises on weekends.",
+        "Alex: We adopted a second cat in June.", "Sam: My sister runs a bakery in Porto."]
+
+
+def _memory(encoder: FactEncoder, seed: int = 0) -> Memory:
+    rng = np.random.default_rng(seed)
+    vectors = rng.normal(size=(len(SAID), 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    return Memory(SAID, vectors, [encoder.layout.fact_segment(t) for t in SAID])
+
+
+def _questions(n: int, seed: int = 1) -> list[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        v = rng.normal(size=16).astype(np.float32)
+        out.append((f"What did Sam say about work ({i})?", v / np.linalg.norm(v)))
+    return out
+
+
+def test_oracle_injection_equals_text_prefill(tiny_models):
+    torch.manual_seed(0)
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    memory = _memory(encoder)
+    result = measure(encoder, memory, _questions(3), ks=[4], strategies=["oracle", "none"],
+                     w=2, log=lambda _: None)
+    oracle, none = result["summary"]["oracle k=4"], result["summary"]["none k=4"]
+    assert oracle["kl_mean"] < 1e-6
+    assert oracle["first_token"] == 1 and oracle["first_4"] == 1
+    assert none["kl_mean"] > 100 * max(oracle["kl_mean"], 1e-9)  # context really matters here
+
+
+def test_strategies_use_earlier_facts_only_and_share_encodings(tiny_models):
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    memory = _memory(encoder)
+    prefix = (6, 1)
+    for name in ("turns", "neighbours", "neighbours-first", "neighbours-len", "neighbours-avg",
+                 "neighbours-rand", "neighbours-select", "coret", "neighbours-pos0"):
+        strategy = make_strategy(f"{name}@2", memory, 5, k=4)
+        for fact in range(len(SAID)):
+            for context in strategy.contexts(fact, prefix):
+                assert all(i < fact for i in context), (name, fact, context)
+    neighbours = make_strategy("neighbours@3", memory, 5, k=4).contexts(5, ())[0]
+    assert len(neighbours) == 3
+    # nearest last, as the worker orders its neighbour context
+    sims = [float(memory.vectors[i] @ memory.vectors[5]) for i in neighbours]
+    assert sims == sorted(sims)
+    # -pos0: the fact served right after the preamble uses its preamble-only encoding
+    pos0 = make_strategy("neighbours-pos0@3", memory, 5, k=4)
+    assert pos0.contexts(5, ()) == [()] and pos0.contexts(5, (2,)) == [neighbours]
+    # A context that is a prefix of another encoded sequence is sliced from that one pass.
+    enc = Encodings(encoder, memory)
+    enc.ensure({(3, (0, 1, 2)), (2, (0, 1))})
+    joint_k = enc.kv[(2, (0, 1))][0]
+    alone = Encodings(encoder, memory)
+    alone.ensure({(2, (0, 1))})
+    torch.testing.assert_close(joint_k, alone.kv[(2, (0, 1))][0], rtol=1e-5, atol=1e-5)
