@@ -227,6 +227,16 @@ async def _stop(drill: Drill, proc: subprocess.Popen, log: Path) -> None:
                         **({"stuck": stuck} if stuck else {})})
 
 
+def _abandon(workers: dict[int, subprocess.Popen], tasks: list[asyncio.Task]) -> None:
+    """A drill that failed or timed out leaves nothing running into the tests after it (they
+    share its event loop): its tasks are cancelled, its workers killed."""
+    for task in tasks:
+        task.cancel()
+    for proc in workers.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _progress_after(drill: Drill, t: float, before: tuple[int, int, int]) -> float | None:
     """Seconds from ``t`` until stored turns or encoded facts first moved past ``before``."""
     for at, n_turns, _, n_kv, _ in drill.progress:
@@ -255,7 +265,7 @@ async def _outages(drill: Drill, engine, prefix: str, local: Settings, broker: S
 @pytest.mark.parametrize("kv", ["local", "s3"])
 async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings, engine,
                                                         tiny_models, tmp_path, s3_broker, kv,
-                                                        monkeypatch):
+                                                        monkeypatch, request):
     """``kv``: the durable KV tier is a directory, or a bucket on the broker's moto_server."""
     broker, bootstrap = s3_broker
     kv_url = str(tmp_path / "kv")
@@ -290,6 +300,7 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
     slots = [asyncio.create_task(_supervise(i, drill, env, logs, plan, rng, workers, stop))
              for i in range(WORKER_SLOTS)]
     publisher = asyncio.create_task(_publish(drill, bootstrap, cfg.turns_topic, events))
+    request.addfinalizer(lambda: _abandon(workers, [*slots, sampler, publisher]))
     await _outages(drill, engine, prefix, local, broker, publisher)
     await publisher
     stream_s = drill.elapsed()
