@@ -222,10 +222,10 @@ class Encodings:
             return kvs[0]
         return (torch.stack([k for k, _ in kvs]).mean(0), torch.stack([v for _, v in kvs]).mean(0))
 
-    def keep_only(self, keys: set[Key]) -> None:
-        """Drop every encoding not in ``keys``."""
-        for key in [key for key in self.kv if key not in keys]:
-            del self.kv[key]
+    def drop(self, keys: set[Key]) -> None:
+        """Forget these encodings."""
+        for key in keys:
+            self.kv.pop(key, None)
 
 
 @dataclass
@@ -336,15 +336,21 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
             f"({statistics.mean(len(p.token_ids) for p in prompts):.0f} tokens on average) "
             f"in {time.perf_counter() - t0:.1f} s")
         jobs = [make_strategy(s, memory, w, k, seed) for s in strategies]
-        needs = [{(f, c) for p in prompts for pos, f in enumerate(p.order)
-                  for c in job.contexts(f, tuple(p.order[:pos]))} for job in jobs]
+        plans = [[[(f, job.contexts(f, tuple(p.order[:pos]))) for pos, f in enumerate(p.order)]
+                  for p in prompts] for job in jobs]
+        needs = [{(f, c) for plan in per_q for f, cs in plan for c in cs} for per_q in plans]
         for n, job in enumerate(jobs):
             t0, tokens0, enc_s0 = time.perf_counter(), enc.tokens, enc.seconds
-            enc.ensure(needs[n])
+            later = set().union(*needs[n + 1:])
+            uses = Counter(key for plan in plans[n] for key in {(f, c) for f, cs in plan
+                                                                  for c in cs})
             rows = []
-            for prompt, (ref_log, ref_tokens) in zip(prompts, refs, strict=True):
-                facts = [enc.combined(f, job.contexts(f, tuple(prompt.order[:pos])))
-                         for pos, f in enumerate(prompt.order)]
+            for prompt, plan, (ref_log, ref_tokens) in zip(prompts, plans[n], refs, strict=True):
+                keys = {(f, c) for f, cs in plan for c in cs}
+                enc.ensure(keys)  # question by question: per-question contexts stay bounded
+                facts = [enc.combined(f, cs) for f, cs in plan]
+                uses.subtract(keys)
+                enc.drop({key for key in keys if uses[key] == 0 and key not in later})
                 got_log, got_tokens = injected(encoder, rope, preamble, facts, prompt, first_n)
                 rows.append({"k": k, "strategy": job.name, "question": prompt.question,
                              "kl": kl(ref_log, got_log), "kl_top20": top20_kl(ref_log, got_log),
@@ -366,7 +372,7 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
             log(f"  {job.name:24s} k={k}: KL {entry['kl_mean']:.4f}  first token "
                 f"{entry['first_token']:.0%}  first {first_n} {entry[f'first_{first_n}']:.0%}  "
                 f"({entry['encode_tokens']} encode tokens, {entry['seconds']} s)")
-            enc.keep_only(set().union(*needs[n + 1:]) if n + 1 < len(needs) else set())
+            enc.drop(set(enc.kv) - later)
             if checkpoint is not None:
                 checkpoint(_result(summary, records, started))
     return _result(summary, records, started)
