@@ -6,7 +6,7 @@ cleanup, no flush, like a power cut), ``hang`` (block the calling thread for goo
 that never returns) or ``error:ENOSPC`` / ``error:EACCES`` (raise that
 ``OSError``); with ``~needle`` the point acts only when the text it is passed contains needle
 (a poison input). Example: ``INFERSCALE_FAILPOINTS="kv.mid_write=kill@0.02"``. Unarmed points
-cost one dict lookup.
+cost one dict lookup; a point that fires logs ``failpoint <name> fired: <action>`` first.
 
 Points: ``ingest.before_db_commit``, ``ingest.before_offset_commit``, ``extract.before_model``
 (a batch of turns about to enter the extractor; its text: the turns' texts),
@@ -20,6 +20,7 @@ batch about to enter the model; its text: the facts' texts), ``encode.before_db_
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ POINTS = ("ingest.before_db_commit", "ingest.before_offset_commit", "extract.bef
           "encode.before_forward", "encode.before_db_commit")
 
 _armed: dict[str, tuple[str, float, str]] = {}  # name -> (action, probability, needle)
+log = logging.getLogger(__name__)
 
 
 def arm(spec: str) -> None:
@@ -56,6 +58,7 @@ def hit(name: str, text: str = "") -> None:
     if armed is None or armed[2] not in text or random.random() >= armed[1]:
         return
     action = armed[0]
+    log.warning("failpoint %s fired: %s", name, action)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "hang":
