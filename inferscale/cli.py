@@ -193,6 +193,7 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
                  questions=args.questions, ks=tuple(args.k), windows=tuple(args.w),
                  contexts=tuple(args.context or [settings.encode_context]),
                  recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
+                 leads=tuple(choice == "on" for choice in args.lead),
                  max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed)
     return 0
 
@@ -277,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: INFERSCALE_ENCODE_CONTEXT)")
     p.add_argument("--recompute", type=int, nargs="+", default=[0],
                    help="tail recompute: best m facts prefilled after the injected ones")
+    p.add_argument("--lead", choices=["on", "off"], nargs="+", default=["on"],
+                   help="inject with and/or without the lead encoding for the first fact served")
     p.add_argument("--order", choices=["relevance", "time"], default="relevance",
                    help="fact order in the prompt (text and inject alike)")
     p.add_argument("--oracle", action="store_true",

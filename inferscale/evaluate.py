@@ -4,7 +4,8 @@ Each conversation is ingested through the real pipeline (Kafka -> worker process
 KV store) once per encoding. Then QA items of categories 1-4 are answered through the
 server, streamed, greedy, with logprobs: ``none``; ``text`` (top-k facts prefilled); ``inject``
 (the same facts, same order, as KV) per encoding (context ``turns``: the w preceding turns, or
-``neighbours``: the w most similar earlier facts) and per tail-recompute m, and with ``--oracle``
+``neighbours``: the w most similar earlier facts), per tail-recompute m and with or without the
+lead encoding for the first fact served (``--lead on off``), and with ``--oracle``
 KV encoded with exactly its serving prefix (what is left is numerics). Per configuration: LoCoMo
 F1, agreement with text on generated token ids (first token, first 4, whole answer), mean KL of
 the first-token distributions, the F1 gap with a paired bootstrap interval, and TTFT.
@@ -38,7 +39,7 @@ TOP_LOGPROBS = 20
 @dataclass(frozen=True)
 class Config:
     """One way of answering: a memory mode, k, the encoding (context, window) of the user's KV,
-    facts recomputed, fact order."""
+    facts recomputed, fact order, whether the first fact served uses its lead encoding."""
 
     mode: str
     k: int = 0
@@ -47,6 +48,7 @@ class Config:
     order: str = "relevance"
     oracle: bool = False  # KV encoded with exactly its serving prefix (a diagnostic)
     context: str = "turns"
+    lead: bool = True
 
     @property
     def name(self) -> str:
@@ -56,7 +58,8 @@ class Config:
         if self.mode == "text":
             return f"text k={self.k} (user w={self.window}){order}"
         window = "oracle" if self.oracle else self.window
-        return f"inject k={self.k} w={window} m={self.recompute}{order}"
+        lead = "" if self.lead else " no-lead"
+        return f"inject k={self.k} w={window} m={self.recompute}{order}{lead}"
 
     @property
     def encoding(self) -> tuple[str, int | None]:
@@ -73,17 +76,18 @@ class Config:
 
 
 def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[int],
-            order: str = "relevance", oracle: bool = False) -> list[Config]:
-    """none, then per k: text per encoding (its own user), inject per encoding and recompute,
-    and the oracle window after the first encoding's text."""
+            order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,)
+            ) -> list[Config]:
+    """none, then per k: text per encoding (its own user), inject per encoding, recompute and
+    lead choice, and the oracle window after the first encoding's text."""
     out = [Config("none")]
     for k in ks:
         for context, w in encodings:
             out.append(Config("text", k, w, order=order, context=context))
             if oracle and k and (context, w) == encodings[0]:
                 out.append(Config("inject", k, w, 0, order, oracle=True, context=context))
-            out += [Config("inject", k, w, m, order, context=context)
-                    for m in recomputes if m <= k]
+            out += [Config("inject", k, w, m, order, context=context, lead=lead)
+                    for m in recomputes if m <= k for lead in leads]
     return out
 
 
@@ -123,7 +127,8 @@ async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, 
     """One streamed greedy answer (fresh cache salt): text, generated token ids, first-position
     top logprobs, TTFT and the fact ids the server used, in prompt order."""
     got = await stream_chat(client, url, user, question, config.mode, config.k, max_tokens,
-                            options={"recompute": config.recompute, "order": config.order},
+                            options={"recompute": config.recompute, "order": config.order,
+                                     "lead": config.lead},
                             top_logprobs=TOP_LOGPROBS)
     return {"prediction": got.text, "token_ids": got.token_ids, "first_top": got.first_top,
             "ttft_s": got.ttft, "fact_ids": got.headers.get("x-inferscale-fact-ids", "")}
@@ -230,7 +235,7 @@ def pick_questions(samples: list[dict], questions: int, seed: int) -> list[dict]
 def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
         questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
         contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int, ...] = (0,),
-        order: str = "relevance", oracle: bool = False,
+        order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
         max_tokens: int = 32, max_turns: int | None = None, seed: int = 0) -> dict:
     """Ingest, serve, answer and score; prints a table and writes JSON."""
     samples = json.loads(data.read_text())[:conversations]
@@ -241,13 +246,14 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
     items = [{**q, "users": {Config("none").encoding: users[encodings[0]][q["sample_id"]],
                              **{e: users[e][q["sample_id"]] for e in encodings}}}
              for q in pick_questions(samples, questions, seed)]
-    plan = configs(list(ks), encodings, list(recomputes), order, oracle)
+    plan = configs(list(ks), encodings, list(recomputes), order, oracle, leads)
     with server_process(settings, out_dir / "server.log") as url:
         records = asyncio.run(_ask_all(url, items, plan, max_tokens, settings))
     summary = summarize(records, plan)
     _print(summary)
     report = {"data": str(data), "questions": len(items), "ks": list(ks), "windows": list(windows),
               "contexts": list(contexts), "recomputes": list(recomputes), "order": order,
+              "leads": list(leads),
               "max_tokens": max_tokens,
               "max_turns": max_turns, "encode_dtype": settings.encode_dtype,
               "extractor": settings.extractor, "summary": summary,

@@ -5,10 +5,12 @@ rewritten before vLLM sees it: the last user message is embedded, the owner's to
 retrieved, the prompt is composed with the memory layout and sent as token ids, with a signed
 injection plan for the encoded facts (``kv_transfer_params``) and a per-memory ``cache_salt``.
 Requests without an owner pass through untouched. Per request, ``"inferscale": {"mode": ...,
-"k": ..., "recompute": ..., "order": ...}`` in the body (or ``X-InferScale-Memory`` / ``-K`` /
-``-Recompute`` / ``-Order`` headers) overrides the defaults; modes: ``inject`` (default), ``text``
-(same facts prefilled as text), ``none``; ``recompute``: the last m facts are prefilled after the
-injected ones; ``order``: ``relevance`` (best last) or ``time`` (stored order).
+"k": ..., "recompute": ..., "order": ..., "lead": ...}`` in the body (or ``X-InferScale-Memory``
+/ ``-K`` / ``-Recompute`` / ``-Order`` / ``-Lead`` headers) overrides the defaults; modes:
+``inject`` (default), ``text`` (same facts prefilled as text), ``none``; ``recompute``: the last
+m facts are prefilled after the injected ones; ``order``: ``relevance`` (best last) or ``time``
+(stored order); ``lead``: the first injected fact uses its lead encoding (after the preamble
+alone: exact there) where it has one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from urllib.parse import unquote_to_bytes
 from inferscale.layout import PromptPlan
 from inferscale.metrics import FRONTEND_METRICS as M
 from inferscale.metrics import KV_METRICS
-from inferscale.plan import PLAN_KEY, Plan, Segment, sign
+from inferscale.plan import PLAN_KEY, Plan, Segment, lead_name, sign
 from inferscale.settings import Settings, get_settings
 
 log = logging.getLogger("inferscale.frontend")
@@ -107,6 +109,7 @@ class MemoryOptions:
     k: int
     recompute: int = 0
     order: str = "relevance"
+    lead: bool = True  # the first injected fact uses its lead encoding, where it has one
 
 
 def _int_option(name: str, raw: object) -> int:
@@ -117,6 +120,14 @@ def _int_option(name: str, raw: object) -> int:
     if not 0 <= value <= MAX_K:
         raise FrontendError(400, f"{name} must be between 0 and {MAX_K}")
     return value
+
+
+def _bool_option(name: str, raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
+        return raw.lower() in ("true", "1")
+    raise FrontendError(400, f"{name} must be true or false, got {str(raw)[:40]!r}")
 
 
 def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
@@ -134,9 +145,11 @@ def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
     order = options.get("order") or headers.get("x-inferscale-order") or settings.fact_order
     if not isinstance(order, str) or order not in ORDERS:
         raise FrontendError(400, f"unknown fact order; use one of {ORDERS}")
+    lead = _bool_option("lead", options.get(
+        "lead", headers.get("x-inferscale-lead", settings.lead_encoding)))
     if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
         raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
-    return owner, MemoryOptions(mode, k, recompute, order)
+    return owner, MemoryOptions(mode, k, recompute, order, lead)
 
 
 def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
@@ -228,8 +241,12 @@ async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: li
     plan = None
     if mode == "inject":
         plan_segments = [Segment("preamble", 0, list(rt.layout.preamble_ids))]
-        plan_segments += [Segment(str(f.id), start, list(f.token_ids), f.kv_checksum)
-                          for f, (start, _) in zip(injectable, prompt.fact_spans, strict=False)]
+        plan_segments += [
+            Segment(lead_name(f.id), start, list(f.token_ids), f.kv_lead_checksum)
+            if i == 0 and options.lead and f.kv_lead_checksum else
+            Segment(str(f.id), start, list(f.token_ids), f.kv_checksum)
+            for i, (f, (start, _)) in enumerate(zip(injectable, prompt.fact_spans,
+                                                    strict=False))]
         plan = Plan(rt.fingerprint, plan_segments)
     injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
     KV_METRICS.stage_seconds.labels("compose").observe(time.perf_counter() - composing)

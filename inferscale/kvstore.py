@@ -1,8 +1,10 @@
 """Tiered store of per-fact KV blobs: durable tier -> host-RAM LRU -> device hot cache.
 
-Blobs are named (a fact id, or "preamble") and encoded by ``inferscale.blob``; callers use
-names (``exists``, ``put``, ``load``) or the locations recorded in Postgres (``get``,
-``get_many``), never paths. The durable tier (``inferscale.durable``: a directory or a bucket)
+Blobs are named (a fact id; ``<fact id>.lead``, the fact's lead encoding: its KV encoded after
+the preamble alone, stored next to it; or "preamble") and encoded by ``inferscale.blob``;
+callers use names (``exists``, ``put``, ``load``) or the locations recorded in Postgres
+(``get``, ``get_many``), never paths. Evicting or deleting a fact's blob takes its lead blob
+with it. The durable tier (``inferscale.durable``: a directory or a bucket)
 makes writes atomic; checksum and fingerprint are verified when a blob is paged in from it.
 """
 
@@ -22,6 +24,7 @@ import torch
 from inferscale.blob import KVBlob, decode_blob, encode_blob
 from inferscale.durable import BlobMissing, Durable, KVBlobError, open_durable
 from inferscale.metrics import KV_METRICS
+from inferscale.plan import LEAD
 
 if TYPE_CHECKING:
     from inferscale.settings import Settings
@@ -29,6 +32,24 @@ if TYPE_CHECKING:
 __all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", "KVBlobError",
            "KVStore", "StoredBlob"]
 PAGE_IN_THREADS = 8  # concurrent durable reads of one get_many
+_BLOB = ".safetensors"
+
+
+def _fact_id(stem: str) -> int | None:
+    """The fact id of a blob file stem (``12`` or ``12.lead``), None for other blobs."""
+    base = stem.removesuffix(LEAD)
+    return int(base) if base.isascii() and base.isdigit() else None
+
+
+def _with_leads(locations: Iterable[str]) -> list[str]:
+    """The locations and, after each fact blob's, where its lead blob would be."""
+    out: dict[str, None] = {}
+    for location in locations:
+        out[location] = None
+        stem = PurePosixPath(location).name.removesuffix(_BLOB)
+        if location.endswith(_BLOB) and not stem.endswith(LEAD) and _fact_id(stem) is not None:
+            out[f"{location.removesuffix(_BLOB)}{LEAD}{_BLOB}"] = None
+    return list(out)
 
 
 class ChecksumMismatch(KVBlobError):
@@ -112,10 +133,10 @@ class KVStore:
     # --- durable tier -------------------------------------------------------------------------
 
     def location_for(self, name: str, fingerprint: str | None = None) -> str:
-        """Relative location of a blob named ``name`` (a fact id or "preamble") for this
-        store's model (or the model with ``fingerprint``, which may be its 16-char prefix)."""
-        shard = hashlib.sha1(name.encode()).hexdigest()[:2]
-        return f"{(fingerprint or self.fingerprint)[:16]}/{shard}/{name}.safetensors"
+        """Relative location of a blob named ``name`` for this store's model (or the model with
+        ``fingerprint``, which may be its 16-char prefix); a lead blob shares its fact's shard."""
+        shard = hashlib.sha1(name.removesuffix(LEAD).encode()).hexdigest()[:2]
+        return f"{(fingerprint or self.fingerprint)[:16]}/{shard}/{name}{_BLOB}"
 
     def locations_of(self, names: Iterable[str]) -> list[str]:
         """Where blobs named ``names`` would be for every model this durable tier holds (the
@@ -210,24 +231,29 @@ class KVStore:
         return self.get_many([self.location_for(name) for name in names], checksums)
 
     def evict(self, locations: list[str]) -> int:
-        """Drop blobs from the memory tiers (host, device); returns how many were held."""
+        """Drop blobs (and their facts' lead blobs) from the memory tiers (host, device);
+        returns how many of ``locations`` were held, either blob counting."""
         held = 0
         for location in locations:
-            held += location in self.host or (self.hot is not None and location in self.hot)
-            self.host.pop(location)
-            if self.hot is not None:
-                self.hot.pop(location)
+            variants = _with_leads([location])
+            held += any(v in self.host or (self.hot is not None and v in self.hot)
+                        for v in variants)
+            for variant in variants:
+                self.host.pop(variant)
+                if self.hot is not None:
+                    self.hot.pop(variant)
         return held
 
     def delete(self, locations: list[str]) -> int:
-        """Remove blobs from every tier; returns how many durable blobs were removed."""
+        """Remove blobs (and their facts' lead blobs) from every tier; returns how many durable
+        blobs were removed."""
         self.evict(locations)
-        return self.durable.delete_many(locations)
+        return self.durable.delete_many(_with_leads(locations))
 
     def fact_blobs(self) -> Iterator[tuple[int, str]]:
-        """(fact id, location) of every durable fact blob, of any model."""
+        """(fact id, location) of every durable fact blob and lead blob, of any model."""
         for location in self.durable.list():
             path = PurePosixPath(location)
-            if (len(path.parts) == 3 and path.suffix == ".safetensors" and path.stem.isascii()
-                    and path.stem.isdigit()):
-                yield int(path.stem), location
+            if (len(path.parts) == 3 and path.suffix == _BLOB
+                    and (fact_id := _fact_id(path.stem)) is not None):
+                yield fact_id, location

@@ -54,7 +54,7 @@ async def oracle_owner(engine: AsyncEngine, encoder: FactEncoder, store: KVStore
         encoded.append({"id": copies[fact_id], "claim": 0, "token_ids": ids,
                         "window": ORACLE_WINDOW, "fingerprint": store.fingerprint,
                         "location": blob.location, "nbytes": blob.nbytes,
-                        "checksum": blob.checksum})
+                        "checksum": blob.checksum, "lead_checksum": None})
         start = end
     async with engine.begin() as conn:
         await record_encoded(conn, encoded)

@@ -13,6 +13,13 @@ import json
 from dataclasses import dataclass
 
 PLAN_KEY = "inferscale"
+LEAD = ".lead"  # blob name suffix of a fact's lead encoding
+
+
+def lead_name(fact_id: int | str) -> str:
+    """The blob name of a fact's lead encoding: its KV encoded after the preamble alone, exact
+    where the fact is served first."""
+    return f"{fact_id}{LEAD}"
 
 
 class PlanError(ValueError):
@@ -21,7 +28,8 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Segment:
-    """One stored span: ``name`` is a fact id or "preamble"; it starts at ``start``."""
+    """One stored span: ``name`` is a fact id, a lead blob (``lead_name``) or "preamble"; it
+    starts at ``start``."""
 
     name: str
     start: int

@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     # as the best facts sit last in a served prompt), or its conversation's preceding turns.
     # Neighbours halve the drift from text prefill on LoCoMo (README, "Answer fidelity").
     encode_context: Literal["turns", "neighbours"] = "neighbours"
+    # Lead encoding: the worker also stores each fact's KV encoded after the preamble alone, and
+    # the server injects it for the fact it serves first (right after the preamble, where that
+    # encoding is exact) unless a request says "lead": false. Twice the KV bytes per fact.
+    lead_encoding: bool = True
     encode_batch_size: int = 8
     encode_max_attempts: int = 3  # storage failures (disk full, ...) are retried without limit
     encode_retry_base_s: float = 5.0  # a failed fact waits base * 2**attempts (capped) to retry

@@ -2,7 +2,8 @@
 
 One fact, encoded after exactly the prefix it is served after (window 0, k = 1): injected KV
 must reproduce text prefill's greedy tokens and top logprobs within 1e-4. A poisoned blob (valid
-checksum, wrong values) must not: that shows the comparison can fail.
+checksum, wrong values) must not: that shows the comparison can fail. A fact encoded after
+another one is exact when served first only through its lead encoding.
 """
 
 import uuid
@@ -44,23 +45,29 @@ def _max_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
     return max(abs(x[t] - y[t]) for x, y in zip(a, b, strict=True) for t in x if t in y)
 
 
-async def _one_fact_user(tiny_served, settings, engine, embedder, encoder, store, text):
+async def _user(tiny_served, settings, engine, embedder, encoder, store, *texts, window=0):
     user = f"exact-{uuid.uuid4().hex[:6]}"
-    cfg = settings.model_copy(update={k: getattr(tiny_served.settings, k) for k in (
-        "model_path", "kv_dir", "data_dir", "window")})
-    await ingest_and_encode(cfg, engine, embedder, [turn(user, "t1", "Sam", text)],
-                            encoder, store)
+    cfg = settings.model_copy(update={**{k: getattr(tiny_served.settings, k) for k in (
+        "model_path", "kv_dir", "data_dir")}, "window": window})
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, f"t{i}", "Sam", text, day=i + 1) for i, text in enumerate(texts)],
+        encoder, store)
     return user
 
 
-async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, engine, embedder):
+def _encoder_and_store(tiny_served, tiny_models):
     encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
     store = KVStore.from_settings(tiny_served.settings, model_fingerprint(tiny_models["llama"]),
                                   host_bytes=1 << 28)
+    return encoder, store
+
+
+async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, engine, embedder):
+    encoder, store = _encoder_and_store(tiny_served, tiny_models)
     question = "What does Sam do for a living?"
     kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
-    user = await _one_fact_user(tiny_served, settings, engine, embedder, encoder, store,
-                                "I am a marine biologist at the city aquarium.")
+    user = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                       "I am a marine biologist at the city aquarium.")
     injected = tiny_served.chat(user, question, k=1, **kwargs)
     assert injected.headers["x-inferscale-facts-injected"] == "1"
     assert injected.json()["kv_transfer_params"]["injected_tokens"] == int(
@@ -72,8 +79,8 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     assert _max_diff(logprobs_i, logprobs_t) < 1e-4
 
     # Negative control: same tokens and a valid checksum, wrong values -> visibly different.
-    poisoned = await _one_fact_user(tiny_served, settings, engine, embedder, encoder, store,
-                                    "I am a marine biologist at the city aquarium.")
+    poisoned = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                           "I am a marine biologist at the city aquarium.")
     async with engine.connect() as conn:
         fact_id = (await conn.execute(select(facts.c.id).where(
             facts.c.user_id == poisoned))).scalar_one()
@@ -85,3 +92,32 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     bad = tiny_served.chat(poisoned, question, k=1, **kwargs)
     _, logprobs_bad = _tokens_and_logprobs(bad)
     assert _max_diff(logprobs_bad, logprobs_t) > 1e-2
+
+
+async def test_the_fact_served_first_is_exact_through_its_lead_encoding(
+        tiny_served, settings, tiny_models, engine, embedder):
+    encoder, store = _encoder_and_store(tiny_served, tiny_models)
+    question = "Is Sam a marine biologist at the city aquarium?"
+    kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
+    # The second fact is encoded after the first (window 1): served alone, right after the
+    # preamble, only its lead encoding has exactly its serving prefix.
+    user = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                       "I have a golden retriever called Max.",
+                       "I am a marine biologist at the city aquarium.", window=1)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(facts.c.id, facts.c.kv_lead_checksum).where(
+            facts.c.user_id == user).order_by(facts.c.id))).all()
+    assert rows[0].kv_lead_checksum is None  # encoded after the preamble alone already
+    assert rows[1].kv_lead_checksum is not None
+    text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
+    lead = tiny_served.chat(user, question, k=1, **kwargs)
+    no_lead = tiny_served.chat(user, question, k=1, lead=False, **kwargs)
+    for response in (text, lead, no_lead):
+        assert response.headers["x-inferscale-fact-ids"] == str(rows[1].id), response.text
+    assert lead.headers["x-inferscale-facts-injected"] == "1"
+    _, logprobs_t = _tokens_and_logprobs(text)
+    tokens_lead, logprobs_lead = _tokens_and_logprobs(lead)
+    assert tokens_lead == _tokens_and_logprobs(text)[0]
+    assert _max_diff(logprobs_lead, logprobs_t) < 1e-4
+    # Control: the fact's own encoding (after the other fact) is measurably off here.
+    assert _max_diff(_tokens_and_logprobs(no_lead)[1], logprobs_t) > 1e-3

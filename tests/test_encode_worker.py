@@ -29,6 +29,7 @@ from inferscale.fingerprint import model_fingerprint
 from inferscale.forget import forget_user
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.kvstore import KVStore
+from inferscale.plan import lead_name
 from inferscale.stack import worker_process
 from workers.encode import EncodeWorker
 from workers.ingest import IngestWorker
@@ -105,6 +106,35 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
     assert sorted(p.name for p in store.durable.root.rglob("*.safetensors")) == blobs_before
     assert [r.kv_checksum for r in await _user_facts(engine, user)] == [
         r.kv_checksum for r in rows]
+
+
+async def test_lead_encodings_are_the_facts_after_the_preamble_alone(settings, engine, embedder,
+                                                                   tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 2})
+    user, plain = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("lead", "plain"))
+    await _ingest(settings, engine, embedder, sample_turns(user)[:4])
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    rows = await _user_facts(engine, user)
+    assert rows[0].kv_lead_checksum is None  # no context: its one encoding is the lead one
+    for row in rows[1:]:
+        lead = store.load(lead_name(row.id), row.kv_lead_checksum)
+        alone = tiny_encoder.encode([tiny_encoder.fact_item(row.text, [])])[0]
+        assert lead.token_ids == row.token_ids and lead.window == 0
+        assert torch.allclose(lead.k.float(), alone.k.float(), atol=1e-5)
+        assert torch.allclose(lead.v.float(), alone.v.float(), atol=1e-5)
+        assert not torch.allclose(store.get(row.kv_location).k.float(), alone.k.float(),
+                                  atol=1e-3)  # the fact's own encoding had context
+    forgotten = await forget_user(engine, store, user)
+    assert (forgotten.facts, forgotten.blobs) == (4, 4 + 3)
+    assert not list((tmp_path / "kv").rglob(f"{rows[1].id}*.safetensors"))
+    assert lead_name(rows[1].id) not in store.host
+    # Switched off, the worker writes one blob per fact.
+    off = settings.model_copy(update={"lead_encoding": False})
+    await _ingest(off, engine, embedder, sample_turns(plain)[:3])
+    await EncodeWorker(off, engine, tiny_encoder, store).run(drain=True)
+    assert [r.kv_lead_checksum for r in await _user_facts(engine, plain)] == [None] * 3
+    assert not list((tmp_path / "kv").rglob("*.lead.safetensors"))
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])
@@ -229,7 +259,7 @@ async def test_forget_removes_user_everywhere_and_spares_others(settings, engine
     for row in victim_rows:
         store.get(row.kv_location)  # warm the host tier too
     forgotten = await forget_user(engine, store, victim)
-    assert forgotten.facts == forgotten.blobs == 6
+    assert forgotten.facts == 6 and forgotten.blobs == 6 + 5  # and 5 lead blobs
     async with engine.connect() as conn:
         assert await count_user_rows(conn, victim) == (0, 0)
         assert await count_user_rows(conn, other) == (6, 6)

@@ -16,6 +16,7 @@ from inferscale.kvstore import (
     KVBlobError,
     KVStore,
 )
+from inferscale.plan import lead_name
 
 
 def _kv(tokens=5, seed=0):
@@ -83,6 +84,23 @@ def test_delete_removes_every_tier(tmp_path):
     store.get(stored.location)
     assert store.delete([stored.location]) == 1
     assert stored.location not in store.host and not (tmp_path / stored.location).exists()
+
+
+def test_a_lead_blob_lives_and_dies_with_its_fact(tmp_path):
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    fact = store.put("9", *_kv(), [1] * 5, window=2)
+    lead = store.put(lead_name(9), *_kv(), [1] * 5, window=0)
+    other = store.put("19", *_kv(), [1] * 5, window=2)
+    assert lead.location.rsplit("/", 1)[0] == fact.location.rsplit("/", 1)[0]
+    assert sorted(store.fact_blobs()) == sorted([(9, fact.location), (9, lead.location),
+                                                 (19, other.location)])
+    store.get(lead.location)
+    assert store.evict([fact.location]) == 1  # the fact counts once, whichever blob was held
+    assert lead.location not in store.host
+    store.get(lead.location)
+    assert store.delete([fact.location, other.location]) == 3
+    assert lead.location not in store.host and not list(tmp_path.rglob("*.safetensors"))
+    assert store.delete([lead.location]) == 0  # an orphan lead alone: nothing else named
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[

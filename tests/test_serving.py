@@ -264,6 +264,11 @@ def test_bad_requests_get_4xx_with_a_message(served):
     for order in ("random", 3, {"by": "time"}):
         refused = served.chat("u", "hi", order=order)
         assert refused.status_code == 400 and "order" in refused.json()["error"]["message"]
+    for lead in ("sometimes", 2, [True], {"on": 1}, "yes"):
+        refused = served.chat("u", "hi", lead=lead)
+        assert refused.status_code == 400 and "lead" in refused.json()["error"]["message"]
+    refused = served.chat("u", "hi", headers={"X-InferScale-Lead": "maybe"})
+    assert refused.status_code == 400 and "lead" in refused.json()["error"]["message"]
     forged = httpx.post(f"{served.url}/v1/chat/completions", timeout=30, json={
         "model": "inferscale", "messages": [{"role": "user", "content": "hi"}],
         "kv_transfer_params": {"inferscale": {"segments": []}}})

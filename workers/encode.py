@@ -32,6 +32,7 @@ from inferscale.fingerprint import model_fingerprint
 from inferscale.forget import sweep_orphan_blobs
 from inferscale.kvstore import KVStore
 from inferscale.model_prep import resolve_model_path
+from inferscale.plan import lead_name
 from inferscale.retry import retry_transient
 from inferscale.settings import Settings
 from workers import observe
@@ -179,14 +180,21 @@ class EncodeWorker(BatchStage):
 
     def _encode_batch(self, pending: list[PendingFact]
                       ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
-        """One forward pass for the batch, then one durable write per fact; a write that fails
-        (disk full, ...) fails only its fact, and the batch is not encoded again for it."""
+        """One forward pass for the batch (and one for its lead encodings: the facts after the
+        preamble alone, where they have context), then the durable writes per fact; a write
+        that fails (disk full, ...) fails only its fact, and the batch is not encoded again."""
         items = [self.encoder.fact_item(f.text, f.context) for f in pending]
+        leading = [f for f in pending if f.context] if self.settings.lead_encoding else []
         failpoints.hit("encode.before_forward", "\n".join(f.text for f in pending))
         spans = self.encoder.encode(items)
+        leads = dict(zip((f.id for f in leading), self.encoder.encode(
+            [self.encoder.fact_item(f.text, []) for f in leading]), strict=True))
         rows, failures = [], []
         for fact, span in zip(pending, spans, strict=True):
             try:
+                lead = leads.get(fact.id)
+                stored_lead = None if lead is None else self.store.put(
+                    lead_name(fact.id), lead.k, lead.v, lead.token_ids, window=0)
                 stored = self.store.put(str(fact.id), span.k, span.v, span.token_ids,
                                         window=self.settings.window)
             except OSError as exc:
@@ -196,5 +204,6 @@ class EncodeWorker(BatchStage):
                 "id": fact.id, "claim": fact.claim, "token_ids": span.token_ids,
                 "window": self.settings.window, "fingerprint": self.store.fingerprint,
                 "location": stored.location, "nbytes": stored.nbytes, "checksum": stored.checksum,
+                "lead_checksum": stored_lead.checksum if stored_lead else None,
             })
         return rows, failures

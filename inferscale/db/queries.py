@@ -53,6 +53,7 @@ class RetrievedFact:
     token_ids: list[int] | None
     kv_location: str | None
     kv_checksum: str | None
+    kv_lead_checksum: str | None  # None: no lead blob (encoded without one)
     model_fingerprint: str | None
 
 
@@ -100,6 +101,7 @@ async def top_k_facts(
             facts.c.token_ids,
             facts.c.kv_location,
             facts.c.kv_checksum,
+            facts.c.kv_lead_checksum,
             facts.c.model_fingerprint,
         )
         .where(and_(facts.c.user_id == user_id, facts.c.deleted_at.is_(None)))
@@ -261,10 +263,10 @@ async def quarantine_crashed_facts(conn: AsyncConnection, max_crashes: int) -> l
 
 async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> list[dict]:
     """Store KV metadata of encoded facts and end their leases. Each dict: id, claim,
-    token_ids, window, fingerprint, location, nbytes, checksum. A fact claimed again since
-    (its lease ran out) is left to the newer claim. Returns the rows whose fact is gone (its
-    user was forgotten, or the fact retired by an update, while it was encoded): their blobs
-    must be removed."""
+    token_ids, window, fingerprint, location, nbytes, checksum, lead_checksum (or None). A
+    fact claimed again since (its lease ran out) is left to the newer claim. Returns the rows
+    whose fact is gone (its user was forgotten, or the fact retired by an update, while it was
+    encoded): their blobs must be removed."""
     if not rows:
         return []
     await conn.execute(
@@ -273,7 +275,8 @@ async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> list[di
             token_ids=bindparam("token_ids"), token_count=func.cardinality(bindparam("token_ids")),
             window=bindparam("window"), model_fingerprint=bindparam("fingerprint"),
             kv_location=bindparam("location"), kv_bytes=bindparam("nbytes"),
-            kv_checksum=bindparam("checksum"), encoded_at=func.clock_timestamp(),
+            kv_checksum=bindparam("checksum"), kv_lead_checksum=bindparam("lead_checksum"),
+            encoded_at=func.clock_timestamp(),
             encode_error=None, retry_at=None, claimed_until=None,
             encode_attempts=facts.c.encode_attempts + 1,
         ),

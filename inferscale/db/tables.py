@@ -58,6 +58,7 @@ facts = Table(
     Column("kv_location", Text),
     Column("kv_bytes", BigInteger),
     Column("kv_checksum", String(64)),
+    Column("kv_lead_checksum", String(64)),  # the lead blob's (NULL: none)
     Column("encode_attempts", Integer, nullable=False, server_default="0"),
     Column("encode_error", Text),
     Column("retry_at", DateTime(timezone=True)),
