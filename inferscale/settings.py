@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     # A worker asked to stop (SIGTERM/SIGINT) finishes its current batches; one still running
     # after this long logs where it is stuck and exits anyway (its unacknowledged work is
     # redone by another worker). Keep it below the orchestrator's grace period (30 s).
-    worker_shutdown_s: float = Field(default=25.0, gt=0)
+    worker_shutdown_s: float = Field(default=25.0, gt=0, le=3600)
     log_format: str = "text"
 
     # Extraction: "turn" keeps each turn as one fact; "llm" asks a language model for short
@@ -129,7 +129,7 @@ class Settings(BaseSettings):
     encode_max_crashes: int = 3
     # Every encode stage removes orphan blobs (their fact is gone: a worker died between its
     # write and its check) at start and then this often; each sweep lists the whole tier.
-    orphan_sweep_s: float = Field(default=3600.0, gt=0)
+    orphan_sweep_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     # Share of time the encode stage may be busy (1.0 = flat out). Below 1 it rests after each
     # batch, leaving the shared device (CPU cores or GPU) to serving: less TTFT, later KV.
     encode_duty_cycle: float = Field(default=1.0, gt=0.0, le=1.0)

@@ -97,7 +97,8 @@ def test_encode_dtype_setting_picks_the_compute_dtype(tiny_models):
 @pytest.mark.parametrize("bad", [{"encode_dtype": "float8"}, {"recompute_tail": -1},
                                  {"fact_order": "random"}, {"recompute_tail": "two"},
                                  {"encode_context": "similar"}, {"encode_context": 1},
-                                 {"window": -1}, {"window": "five"}])
+                                 {"window": -1}, {"window": "five"},
+                                 {"lead_encoding": "sometimes"}, {"lead_encoding": [1]}])
 def test_fidelity_settings_refuse_bad_values(bad):
     from pydantic import ValidationError
 

@@ -10,10 +10,12 @@ import uuid
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from helpers import sample_turns, turn
 from inferscale.db.queries import count_user_rows
 from inferscale.kafka import ensure_topics, publish_turns
+from inferscale.settings import Settings
 from inferscale.stack import worker_process
 from workers import run
 from workers.ingest import IngestWorker
@@ -148,3 +150,11 @@ async def test_a_stuck_worker_still_stops_by_its_deadline(settings, tiny_models,
         assert "did not stop within 2s" in log and "encode: EncodeWorker.run" in log, log[-3000:]
     else:
         assert "Timeout (0:00:07)!" in log and "in hit" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("name", ["INFERSCALE_WORKER_SHUTDOWN_S", "INFERSCALE_ORPHAN_SWEEP_S"])
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "nan", "", "1e400"])
+def test_worker_timing_settings_refuse_bad_values(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match=name.removeprefix("INFERSCALE_").lower()):
+        Settings()
