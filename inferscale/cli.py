@@ -181,16 +181,17 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 def _eval(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale import evaluate
 
+    windows = args.w or [settings.window]
     if args.dataset == "drift":
         from inferscale import drift
 
         drift.run(settings, Path(args.data), Path(args.out), conversation=args.conversation,
                   questions=args.questions, ks=tuple(args.k), strategies=tuple(args.strategies),
-                  w=args.w[0], max_turns=args.max_turns, seed=args.seed, threads=args.threads,
-                  name=args.name, anchor=args.anchor)
+                  w=windows[0], max_turns=args.max_turns, seed=args.seed,
+                  threads=args.threads, name=args.name, anchor=args.anchor)
         return 0
     evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
-                 questions=args.questions, ks=tuple(args.k), windows=tuple(args.w),
+                 questions=args.questions, ks=tuple(args.k), windows=tuple(windows),
                  contexts=tuple(args.context or [settings.encode_context]),
                  recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
                  leads=tuple(choice == "on" for choice in args.lead),
@@ -272,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=int, default=1)
     p.add_argument("--questions", type=int, default=100, help="QA items in all (categories 1-4)")
     p.add_argument("--k", type=int, nargs="+", default=[20])
-    p.add_argument("--w", type=int, nargs="+", default=[5], help="encoding windows")
+    p.add_argument("--w", type=int, nargs="+",
+                   help="encoding windows (default: INFERSCALE_WINDOW)")
     p.add_argument("--context", choices=["turns", "neighbours"], nargs="+",
                    help="encoding contexts: preceding turns, or most similar earlier facts "
                         "(default: INFERSCALE_ENCODE_CONTEXT)")
