@@ -39,6 +39,7 @@ from inferscale.db.tables import facts, turns
 from inferscale.fingerprint import model_fingerprint
 from inferscale.kafka import ensure_topics, make_producer
 from inferscale.kvstore import KVStore
+from inferscale.plan import lead_name
 from inferscale.settings import Settings
 from inferscale.stack import settings_env
 
@@ -338,17 +339,23 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
     n_turns, n_facts, n_encoded = await _counts(engine, prefix)
     async with engine.connect() as conn:
         rows = (await conn.execute(select(facts.c.id, facts.c.kv_location, facts.c.kv_checksum,
-                                          facts.c.encode_attempts)
+                                          facts.c.kv_lead_checksum, facts.c.encode_attempts)
                                    .where(facts.c.user_id.like(f"{prefix}-%")))).all()
         # The drill's workers also encode what other tests left pending in the shared
         # database; those blobs are theirs, not orphans.
         others = set((await conn.execute(select(facts.c.id).where(
             facts.c.user_id.not_like(f"{prefix}-%")))).scalars())
     store = KVStore.from_settings(cfg, model_fingerprint(tiny_models["llama"]), host_bytes=0)
+    expected = set()  # every fact's blob, and its lead blob where one is recorded
     for row in rows:
         store.get(row.kv_location, row.kv_checksum)  # verifies content and fingerprint
+        expected.add(f"{row.id}.safetensors")
+        if row.kv_lead_checksum:
+            store.load(lead_name(row.id), row.kv_lead_checksum)
+            expected.add(f"{lead_name(row.id)}.safetensors")
     blob_names = {PurePosixPath(location).name for location in store.durable.list()} - {
-        "preamble.safetensors", *(f"{fact_id}.safetensors" for fact_id in others)}
+        "preamble.safetensors", *(f"{name}.safetensors" for fact_id in others
+                                  for name in (fact_id, lead_name(fact_id)))}
     temp_files = list(cfg.kv_path.rglob("*.tmp"))  # S3: nothing on local disk at all
     assert kv == "local" or not cfg.kv_path.exists()
     dead_lettered = await read_topic(bootstrap, cfg.dead_letter_topic, 1, timeout_s=3)
@@ -377,8 +384,8 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
         "facts_lost": max(0, TURNS - n_facts), "facts_duplicated": max(0, n_facts - TURNS),
         "facts_encoded_twice": sum(r.encode_attempts > 1 for r in rows),
         "facts_rewritten_after_a_kill": sum(n > 1 for n in writes.values()),
-        "blobs": len(blob_names), "orphan_blobs": len(blob_names - {
-            f"{r.id}.safetensors" for r in rows}), "temp_files_left": len(temp_files),
+        "blobs": len(blob_names), "orphan_blobs": len(blob_names - expected),
+        "temp_files_left": len(temp_files),
         "dead_lettered": len(dead_lettered),
         "max_lag_turns": max(lag, default=0), "max_encode_backlog_facts": max(backlog, default=0),
         "peak_worker_rss_mb": round(drill.peak_worker_rss_mb, 1),
@@ -399,7 +406,7 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
     assert (n_turns, n_facts, n_encoded) == (TURNS, TURNS, TURNS)
     assert report["facts_encoded_twice"] == 0
     assert len({r.kv_location for r in rows}) == TURNS
-    assert blob_names == {f"{r.id}.safetensors" for r in rows}  # no orphans, no duplicates
+    assert blob_names == expected  # no orphans, no duplicates
     assert not temp_files
     assert not dead_lettered
     # Every worker stopped: cleanly, or stuck and by its deadline (not crashed).

@@ -152,13 +152,15 @@ def test_oversized_bodies_get_413(served, memory_user):
 
 
 def test_openai_message_forms_are_memory_requests(served, memory_user):
-    response = served.chat(memory_user, "unused", k=2, messages=[
+    # k = 1: the query is the joined text parts, so the one fact retrieved is the horse's (and,
+    # served alone after the preamble, its KV is exactly what text prefill computes).
+    response = served.chat(memory_user, "unused", k=1, messages=[
         {"role": "developer", "content": "Answer in one short sentence."},
         {"role": "user", "name": "ines", "content": [
             {"type": "text", "text": "What is the name of"}, {"type": "text", "text":
                                                              "Ines's horse?"}]}])
     assert response.status_code == 200, response.text
-    assert response.headers["x-inferscale-facts-injected"] == "2"
+    assert response.headers["x-inferscale-facts-injected"] == "1"
     assert "Biscuit" in response.json()["choices"][0]["message"]["content"]
     image = served.chat(memory_user, "unused", messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])

@@ -15,6 +15,7 @@ from inferscale.db.tables import facts
 from inferscale.durable import LocalDir
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.kvstore import KVStore
+from inferscale.plan import LEAD
 from inferscale.stack import wait_encoded, worker_process
 from workers.encode import EncodeWorker
 
@@ -149,7 +150,8 @@ async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedde
         user = rng.choice(users)
         prompt = await compose(rt, user, MemoryOptions("inject", rng.choice([1, 5, 20])), [
             {"role": "user", "content": rng.choice(queries)}], rng.choice(queries))
-        foreign += sum(owners[int(s.name)] != user for s in prompt.plan.segments[1:])
+        foreign += sum(owners[int(s.name.removesuffix(LEAD))] != user
+                       for s in prompt.plan.segments[1:])
     await rt.engine.dispose()
     assert foreign == 0
 
@@ -320,7 +322,8 @@ async def test_forget_reaches_every_tier_and_backlog_stays_forgotten(served, smo
     response = httpx.post(f"{served.url}/v1/memory/forget", json={"user": user}, timeout=120)
     assert response.status_code == 200, response.text
     report = response.json()
-    assert report["facts_deleted"] == 2 and report["blobs_deleted"] == 2
+    assert report["facts_deleted"] == 2
+    assert report["blobs_deleted"] == 3  # and the lead blob of the second (encoded after the first)
     assert report["purged_from_memory"] == 2  # the worker's host tier held both blobs
     assert report["prefix_cache_reset"] is True
     after = served.chat(user, question, k=2)
@@ -355,7 +358,7 @@ async def test_forget_from_the_cli_reaches_the_running_server(served, smol, cfg,
         sys.executable, "-m", "inferscale.cli", "forget", "--user", user],
         env=settings_env(cfg), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "2 facts, 2 KV blobs" in done.stdout
+    assert "2 facts, 3 KV blobs" in done.stdout  # and the second fact's lead blob
     for _ in range(120):
         if _metric(served, "inferscale_purged_blobs_total") >= purged_before + 2:
             break
