@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drift: encoding strategies (name or name@w): oracle, oracle-local, "
                         "none, turns, neighbours, neighbours-first, neighbours-len, "
                         "neighbours-avg, neighbours-rand, neighbours-select, "
-                        "neighbours-all, coret; '-pos0' suffix: the first fact served "
+                        "neighbours-all, coret, stream; '-pos0' suffix: the first fact served "
                         "uses its preamble-only encoding")
     p.add_argument("--threads", type=int, default=2, help="drift: torch CPU threads")
     p.add_argument("--name", default="drift", help="drift: report name (<out>/<name>.json)")

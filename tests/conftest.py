@@ -1,9 +1,9 @@
 """Shared, session-scoped infrastructure: a real Kafka-protocol broker and a real Postgres.
 
 When INFERSCALE_KAFKA_BOOTSTRAP and INFERSCALE_DATABASE_URL are set, the suite runs against
-them; INFERSCALE_TEST_COMPOSE=1 brings up compose.yaml's Kafka and Postgres and points the suite
-at them (every test is skipped, with the reason, where no Docker engine runs); otherwise the
-suite starts the embedded tansu broker and Postgres.
+them; INFERSCALE_TEST_COMPOSE=1 brings up compose.yaml's Kafka, Postgres and MinIO and points the
+suite at them (every test is skipped, with the reason, where no Docker engine runs); otherwise the
+suite starts the embedded tansu broker and Postgres, and moto_server where a test needs S3.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ COMPOSE_ENDPOINTS = {
     "INFERSCALE_KAFKA_BOOTSTRAP": "localhost:29092",
     "INFERSCALE_DATABASE_URL": "postgresql+asyncpg://inferscale:inferscale@localhost:5432/inferscale",
 }
+# compose.yaml's MinIO (the durable KV tier) as published on the host, with its root credentials.
+COMPOSE_S3 = {"AWS_ENDPOINT_URL": "http://localhost:9000",
+              "AWS_ACCESS_KEY_ID": os.environ.get("MINIO_ROOT_USER", "inferscale"),
+              "AWS_SECRET_ACCESS_KEY": os.environ.get("MINIO_ROOT_PASSWORD", "inferscale-secret")}
 
 
 def docker_problem(need_engine: bool = True) -> str | None:
@@ -49,16 +53,19 @@ def docker_problem(need_engine: bool = True) -> str | None:
 
 
 def _compose_up() -> str | None:
-    """Start compose.yaml's broker and database and point the suite at them; else why not."""
+    """Start compose.yaml's broker, database and object store and point the suite at the first
+    two (the ``s3_endpoint`` fixture uses the third); else why not."""
     problem = docker_problem()
     if problem is None:
         subprocess.run(["docker", "compose", "-f", str(ROOT / "compose.yaml"), "up", "-d",
-                        "--wait", "kafka", "postgres"], check=True, timeout=900, env=COMPOSE_ENV)
+                        "--wait", "kafka", "postgres", "minio"], check=True, timeout=900,
+                       env=COMPOSE_ENV)
         os.environ.update(COMPOSE_ENDPOINTS)
     return problem
 
 
-COMPOSE_SKIP = _compose_up() if os.environ.get("INFERSCALE_TEST_COMPOSE") == "1" else None
+COMPOSE_MODE = os.environ.get("INFERSCALE_TEST_COMPOSE") == "1"
+COMPOSE_SKIP = _compose_up() if COMPOSE_MODE else None
 EXTERNAL_INFRA = bool(
     os.environ.get("INFERSCALE_KAFKA_BOOTSTRAP") and os.environ.get("INFERSCALE_DATABASE_URL")
 )
@@ -207,31 +214,43 @@ def running_server(settings: Settings, log_path: Path, extra_args: list[str]):
 BUCKET = "inferscale-test"
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """moto_server on a free port; AWS_* in the environment point boto3 at it."""
-    import boto3
-
+@contextlib.contextmanager
+def _moto_server():
+    """moto_server on a free port: its endpoint and credentials."""
     port = infra._free_port()
     moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.delenv("AWS_PROFILE", raising=False)
-            for name, value in env.items():
-                mp.setenv(name, value)
-            deadline = time.monotonic() + 30
-            while not infra._port_open(port):
-                assert moto.poll() is None and time.monotonic() < deadline, "moto_server died"
-                time.sleep(0.1)
-            boto3.client("s3").create_bucket(Bucket=BUCKET)
-            yield env["AWS_ENDPOINT_URL"]
+        deadline = time.monotonic() + 30
+        while not infra._port_open(port):
+            assert moto.poll() is None and time.monotonic() < deadline, "moto_server died"
+            time.sleep(0.1)
+        yield {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+               "AWS_SECRET_ACCESS_KEY": "test"}
     finally:
         moto.terminate()
         moto.wait(10)
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """An S3 endpoint holding the bucket ``BUCKET``: compose.yaml's MinIO under
+    INFERSCALE_TEST_COMPOSE=1, else moto_server; AWS_* in the environment point boto3 at it.
+    Tests keep to prefixes of their own (MinIO's bucket outlives a module)."""
+    import boto3
+
+    with contextlib.ExitStack() as stack:
+        server = COMPOSE_S3 if COMPOSE_MODE else stack.enter_context(_moto_server())
+        env = {**server, "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
+               "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        mp.delenv("AWS_PROFILE", raising=False)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        client = boto3.client("s3")
+        if BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+            client.create_bucket(Bucket=BUCKET)
+        yield env["AWS_ENDPOINT_URL"]
 
 
 @pytest.fixture(scope="session")

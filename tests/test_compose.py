@@ -1,11 +1,12 @@
 """compose.yaml: checked statically everywhere, and by `docker compose config` where it runs."""
 
+import os
 import subprocess
 
 import pytest
 import yaml
 
-from conftest import COMPOSE_ENV, ROOT, docker_problem
+from conftest import COMPOSE_ENDPOINTS, COMPOSE_ENV, COMPOSE_S3, ROOT, docker_problem
 from inferscale.settings import Settings
 
 
@@ -48,6 +49,23 @@ def test_replicas_share_the_bucket_behind_a_sticky_router():
     assert "server server-1:8000 resolve;" in router and "server server-2:8000 resolve;" in router
     assert "consistent;" in router and "resolver 127.0.0.11" in router
     assert "$$http_authorization" in router and "proxy_buffering off;" in router
+
+
+def test_compose_mode_reaches_what_compose_publishes():
+    """INFERSCALE_TEST_COMPOSE=1 points the suite at the broker, database and object store
+    compose.yaml publishes on the host, with the credentials it starts them with."""
+    services = _compose()["services"]
+    published = {name: {port.split(":")[0] for port in services[name]["ports"]}
+                 for name in ("kafka", "postgres", "minio")}
+    assert COMPOSE_ENDPOINTS["INFERSCALE_KAFKA_BOOTSTRAP"].rsplit(":", 1)[1] in published["kafka"]
+    assert ":5432/" in COMPOSE_ENDPOINTS["INFERSCALE_DATABASE_URL"] and "5432" in published[
+        "postgres"]
+    assert COMPOSE_S3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1] in published["minio"]
+    minio = services["minio"]["environment"]
+    for name, key in (("MINIO_ROOT_USER", "AWS_ACCESS_KEY_ID"),
+                      ("MINIO_ROOT_PASSWORD", "AWS_SECRET_ACCESS_KEY")):
+        default = minio[name].removeprefix(f"${{{name}:-").removesuffix("}")
+        assert COMPOSE_S3[key] == os.environ.get(name, default)
 
 
 def test_the_server_starts_with_api_keys():

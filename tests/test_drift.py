@@ -45,7 +45,7 @@ def test_strategies_use_earlier_facts_only_and_share_encodings(tiny_models):
     memory = _memory(encoder)
     prefix = (6, 1)
     for name in ("turns", "neighbours", "neighbours-first", "neighbours-len", "neighbours-avg",
-                 "neighbours-rand", "neighbours-select", "coret", "neighbours-pos0"):
+                 "neighbours-rand", "neighbours-select", "coret", "neighbours-pos0", "stream"):
         strategy = make_strategy(f"{name}@2", memory, 5, k=4)
         for fact in range(len(SAID)):
             for context in strategy.contexts(fact, prefix):
@@ -58,6 +58,11 @@ def test_strategies_use_earlier_facts_only_and_share_encodings(tiny_models):
     # -pos0: the fact served right after the preamble uses its preamble-only encoding
     pos0 = make_strategy("neighbours-pos0@3", memory, 5, k=4)
     assert pos0.contexts(5, ()) == [()] and pos0.contexts(5, (2,)) == [neighbours]
+    # stream@3: blocks {0,1,2} {3,4,5} {6}; a fact sees its block's earlier facts and the block
+    # before, so one pass per block encodes every fact of it
+    stream = make_strategy("stream@3", memory, 5, k=4)
+    assert [stream.contexts(f, prefix)[0] for f in range(len(SAID))] == [
+        (), (0,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (0, 1, 2, 3, 4), (3, 4, 5)]
     # A context that is a prefix of another encoded sequence is sliced from that one pass.
     enc = Encodings(encoder, memory)
     enc.ensure({(3, (0, 1, 2)), (2, (0, 1))})

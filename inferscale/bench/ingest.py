@@ -90,6 +90,7 @@ def run(settings: Settings, data: Path, out_dir: Path, limit: int = 400,
                 [[r["workers"], r["turns"], r["turns_per_s"] or 0.0,
                   r["facts_encoded_per_s"] or 0.0, r["publish_to_stored_p50_s"],
                   r["publish_to_stored_p95_s"]] for r in results])
-    report = {"window": settings.window, "results": results}
+    report = {"window": settings.window, "durable_tier": settings.kv_url or str(settings.kv_path),
+              "results": results}
     write_report(out_dir, "ingest", report)
     return report

@@ -169,7 +169,7 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
     print_table(["k", "mode", *(label for label, _, _ in STAGES), "engine TTFT",
                  "engine TTFT prefix-hit"], breakdown)
     report = {"n_queries": len(questions), "facts": len(turns), "encode_s": encode_s,
-              "rows": rows}
+              "durable_tier": settings.kv_url or str(settings.kv_path), "rows": rows}
     write_report(out_dir, "ttft", report)
     plot(rows, out_dir / "ttft.png")
     return report
