@@ -30,6 +30,8 @@ from pathlib import Path, PurePosixPath
 
 import httpx
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from sqlalchemy import func, select
 
 from conftest import EXTERNAL_INFRA
@@ -238,6 +240,37 @@ def _abandon(workers: dict[int, subprocess.Popen], tasks: list[asyncio.Task]) ->
             proc.kill()
 
 
+async def _stall_evidence(bootstrap: str, cfg: Settings, drill: Drill, logs: Path,
+                          broker: Settings) -> str:
+    """What a drill whose turns stopped arriving leaves to read in CI's output: per partition
+    the group's committed offset and the log end, where the counts stood over time, the final
+    worker's warnings and the broker's log."""
+    lines = []
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
+    try:
+        await admin.start()
+        await consumer.start()
+        committed = await admin.list_consumer_group_offsets(cfg.consumer_group)
+        ends = await consumer.end_offsets(list(committed) or [
+            TopicPartition(cfg.turns_topic, p)
+            for p in consumer.partitions_for_topic(cfg.turns_topic) or ()])
+        lines += [f"partition {tp.partition}: committed "
+                  f"{meta.offset if (meta := committed.get(tp)) else None}, end {end}"
+                  for tp, end in sorted(ends.items())]
+    except Exception as exc:  # noqa: BLE001 - evidence is best effort, the assertion stands
+        lines.append(f"offsets unavailable: {exc!r}")
+    finally:
+        await consumer.stop()
+        await admin.close()
+    lines += [f"t {t:.0f}s published {p} stored {n} encoded {kv}"
+              for t, n, _, kv, p in drill.progress[::20]]
+    final = (logs / "worker-final.log").read_text(errors="replace").splitlines()
+    lines += [line[:300] for line in final if '"WARNING"' in line or '"ERROR"' in line][-15:]
+    lines += (broker.infra_dir / "tansu.log").read_text(errors="replace").splitlines()[-15:]
+    return "\n".join(lines)
+
+
 def _progress_after(drill: Drill, t: float, before: tuple[int, int, int]) -> float | None:
     """Seconds from ``t`` until stored turns or encoded facts first moved past ``before``."""
     for at, n_turns, _, n_kv, _ in drill.progress:
@@ -311,6 +344,12 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
         await asyncio.sleep(0.1)
     stop.set()
     await asyncio.gather(*slots, sampler)
+    # The slot workers just left the group cleanly. tansu 0.6.0 keeps a leader that sends
+    # LeaveGroup while its group is rebalancing, and every later member then waits for that
+    # leader's assignment for ever (seen in CI: 370 of 1000 turns stored, the stored group's
+    # leader not among its members). A restart reloads the group from storage, which drops such
+    # a leader: the operator's remedy, applied here so that the drill tests our workers.
+    await asyncio.to_thread(infra.restart_kafka, broker)
 
     # One clean worker finishes what the faults left behind.
     stop.clear()
@@ -403,7 +442,10 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
     assert len(drill.deaths) >= MIN_KILLS and len(causes) >= 4, drill.deaths
     assert len(drill.outages) == (1 if EXTERNAL_INFRA else 2)
     assert all(o["recovered_s"] is not None for o in drill.outages), drill.outages
-    assert (n_turns, n_facts, n_encoded) == (TURNS, TURNS, TURNS)
+    if (n_turns, n_facts, n_encoded) != (TURNS, TURNS, TURNS):
+        evidence = await _stall_evidence(bootstrap, cfg, drill, logs, broker)
+        raise AssertionError(f"stored {n_turns}, extracted {n_facts}, encoded {n_encoded} of "
+                             f"{TURNS}\n{evidence}")
     assert report["facts_encoded_twice"] == 0
     assert len({r.kv_location for r in rows}) == TURNS
     assert blob_names == expected  # no orphans, no duplicates
