@@ -70,19 +70,33 @@ async def test_redelivery_after_db_commit_creates_no_duplicates(settings, engine
 
 
 async def test_two_workers_share_the_group(settings, engine, embedder):
-    users = [f"pair-{uuid.uuid4().hex[:6]}-{i}" for i in range(8)]
+    users = [f"pair-{uuid.uuid4().hex[:6]}-{i}" for i in range(16)]  # keys on every partition
     turns = [t for user in users for t in sample_turns(user)]
     await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], partitions=4)
     await publish(settings, turns)
     small = settings.model_copy(update={"ingest_batch_size": 16, "drain_idle_s": 3.0})
-    a, b = worker(small, engine), worker(small, engine)
+    pair: list[IngestWorker] = []
+
+    def wait_for_the_other(me: int):
+        async def after_store(_offsets) -> None:
+            """Whoever is assigned first stores one batch and then waits (at most 60 s, its
+            offsets uncommitted) until the rebalance gave the other worker partitions of its own:
+            otherwise a fast first member may drain the topic before the second one joins."""
+            for _ in range(600):
+                if pair[1 - me].stats.consumed:
+                    return
+                await asyncio.sleep(0.1)
+        return after_store
+
+    pair += [worker(small, engine, after_store=wait_for_the_other(i)) for i in range(2)]
+    a, b = pair
     await asyncio.gather(a.run(drain=True), b.run(drain=True))
-    assert a.stats.turns_stored + b.stats.turns_stored == len(turns)
+    assert a.stats.turns_stored + b.stats.turns_stored == len(turns)  # each turn stored once
     assert a.stats.consumed > 0 and b.stats.consumed > 0
     await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         for user in users:
-            assert await count_user_rows(conn, user) == (len(turns) // 8, len(turns) // 8)
+            assert await count_user_rows(conn, user) == (len(turns) // 16, len(turns) // 16)
 
 
 async def test_bad_messages_go_to_dead_letter_and_good_ones_are_kept(settings, engine, embedder):

@@ -187,6 +187,11 @@ async def test_facts_without_kv_are_served_as_text_until_encoded(served, smol, c
     assert "Rosalind" in healed.json()["choices"][0]["message"]["content"]
 
 
+def _names_the_dog(response) -> bool:
+    answer = response.json()["choices"][0]["message"]["content"]
+    return "Waffles" in answer or "beagle" in answer
+
+
 async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, embedder):
     encoder, store = smol
     user = f"bad-{uuid.uuid4().hex[:6]}"
@@ -211,10 +216,11 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
     response = served.chat(user, question)
     assert response.status_code == 200
     assert response.headers["x-inferscale-facts-injected"] == "2"  # planned, then refused
-    # Contract: the refused KV is recomputed, never served, and the answer has the fact. Text
-    # equality with text prefill is not a contract (another numeric path, another CPU).
+    # Contract: the refused KV is recomputed, never served, and the answer draws on the fact
+    # (its wording is not a contract: another numeric path or CPU answered "Dana's dog is a
+    # beagle." instead of naming Waffles; both words are in the fact only).
     assert _metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
-    assert "Waffles" in response.json()["choices"][0]["message"]["content"]
+    assert _names_the_dog(response)
     # A fact encoded for another model is not even planned for injection.
     async with engine.begin() as conn:
         await conn.execute(update(facts).where(facts.c.user_id == user).values(
@@ -222,7 +228,7 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
     refused = served.chat(user, question)
     assert refused.headers["x-inferscale-facts-injected"] == "0"
     assert _metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
-    assert "Waffles" in refused.json()["choices"][0]["message"]["content"]
+    assert _names_the_dog(refused)
 
 
 async def test_plain_request_never_reuses_injected_blocks(served, smol, cfg, engine, embedder):
