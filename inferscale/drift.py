@@ -14,6 +14,14 @@ user's earlier facts; ``oracle`` (the whole serving prefix) and ``oracle-local``
 facts) are diagnostics. Encodings are shared between strategies and questions: a fact encoded
 after a context is computed once, and a fact whose context is a prefix of another encoded
 sequence is sliced from that one pass (causal attention makes the two identical).
+
+A ``/<selector>`` suffix adds selective recompute (what an engine hook inside the injected span
+would buy): after injection, the selected memory positions are prefilled again, at their own
+positions and attending to the injected K/V (whose own entries for them are masked out), together
+with the question. Selectors: ``first<b>`` the first b tokens of every fact (EPIC's boundaries),
+``blend<r>`` the fraction r of fact tokens whose layer-1 K/V deviate most from text prefill's
+(CacheBlend's selection; costs one layer of full prefill), ``random<r>`` a seeded random
+fraction r (the control).
 """
 
 from __future__ import annotations
@@ -70,11 +78,14 @@ class Memory:
 
 
 class Strategy:
-    """Contexts a fact is encoded after (averaged when several), given its serving prefix."""
+    """Contexts a fact is encoded after (averaged when several), given its serving prefix, and
+    the memory positions recomputed after injection (``recompute``, empty by default)."""
 
-    def __init__(self, name: str, contexts: Callable[[int, Context], list[Context]]):
-        self.name = name
+    def __init__(self, name: str, contexts: Callable[[int, Context], list[Context]],
+                 recompute: str = ""):
+        self.name = f"{name}/{recompute}" if recompute else name
         self.contexts = contexts
+        self.recompute = recompute
 
 
 def _coret(memory: Memory, fact: int, w: int, k: int) -> Context:
@@ -115,8 +126,11 @@ def _select(memory: Memory, fact: int, prefix: Context, candidates: list[Context
 
 
 def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int = 0) -> Strategy:
-    """A strategy from ``name`` or ``name@w``; a ``-pos0`` suffix gives the fact served first
-    (right after the preamble) its preamble-only encoding instead."""
+    """A strategy from ``name``, ``name@w`` or either with ``/<selector>``; a ``-pos0`` suffix
+    gives the fact served first (right after the preamble) its preamble-only encoding instead."""
+    spec, _, recompute = spec.partition("/")
+    if recompute:
+        parse_selector(recompute)
     name, _, window = spec.partition("@")
     w = int(window) if window else default_w
     label = name if name in ("oracle", "none") else f"{name}@{w}"
@@ -163,8 +177,54 @@ def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int =
                          "(each also with -pos0)")
     contexts = table[base]
     if base != name:  # the first fact served gets its preamble-only encoding (exact there)
-        return Strategy(label, lambda f, p: contexts(f, p) if p else [()])
-    return Strategy(label, contexts)
+        return Strategy(label, lambda f, p: contexts(f, p) if p else [()], recompute)
+    return Strategy(label, contexts, recompute)
+
+
+SELECTORS = ("first", "blend", "random")
+
+
+def parse_selector(spec: str) -> tuple[str, float]:
+    """``first4`` -> ("first", 4.0); ``blend0.15`` -> ("blend", 0.15)."""
+    for kind in SELECTORS:
+        if spec.startswith(kind):
+            try:
+                amount = float(spec[len(kind):])
+            except ValueError:
+                break
+            if amount < 0 or (kind != "first" and amount > 1) or (
+                    kind == "first" and amount != int(amount)):
+                break
+            return kind, amount
+    raise ValueError(f"unknown recompute selector {spec!r}: first<tokens>, blend<fraction> "
+                     "or random<fraction>")
+
+
+def select_positions(spec: str, spans: Sequence[tuple[int, int]], deviation: torch.Tensor | None,
+                     seed: int) -> list[int]:
+    """Memory positions to recompute: ``spans`` are the facts' [start, end); ``deviation`` is
+    per memory position (``blend`` only)."""
+    kind, amount = parse_selector(spec)
+    if kind == "first":
+        return [p for start, end in spans for p in range(start, min(start + int(amount), end))]
+    facts = [p for start, end in spans for p in range(start, end)]
+    n = round(amount * len(facts))
+    if kind == "random":
+        return sorted(random.Random(seed).sample(facts, n))
+    if deviation is None:
+        raise ValueError("blend needs the per-position deviation")
+    scores = deviation[torch.tensor(facts, dtype=torch.long)]
+    return sorted(facts[j] for j in scores.topk(n).indices.tolist())
+
+
+def layer_deviation(injected_kv: KV, text_kv: KV, layer: int) -> torch.Tensor:
+    """Per-token squared distance of pre-RoPE K and V at ``layer`` (each relative to the text
+    tensor's mean square), injected vs text prefill: CacheBlend's selection signal."""
+    scores = []
+    for got, ref in zip(injected_kv, text_kv, strict=True):
+        diff = (got[layer] - ref[layer]).float().pow(2).sum(dim=(-2, -1))
+        scores.append(diff / ref[layer].float().pow(2).sum(dim=(-2, -1)).mean())
+    return scores[0] + scores[1]
 
 
 class Encodings:
@@ -239,6 +299,7 @@ class Prompt:
     order: list[int]  # memory indices in prompt order
     token_ids: list[int]
     memory_end: int  # preamble + facts
+    spans: list[tuple[int, int]]  # each fact's [start, end), in prompt order
 
 
 def compose(encoder: FactEncoder, memory: Memory, question: str, query: np.ndarray, k: int
@@ -249,15 +310,22 @@ def compose(encoder: FactEncoder, memory: Memory, question: str, query: np.ndarr
     plan = encoder.layout.compose([memory.segments[i] for i in order],
                                   [{"role": "user", "content": question}])
     end = plan.fact_spans[-1][1] if plan.fact_spans else plan.preamble_len
-    return Prompt(question, order, plan.token_ids, end)
+    return Prompt(question, order, plan.token_ids, end, plan.fact_spans)
 
 
-def _greedy(model, logits: torch.Tensor, cache, position: int, n: int) -> list[int]:
-    """n greedy tokens from ``logits`` (the next-token logits at ``position``)."""
+def _greedy(model, logits: torch.Tensor, cache, position: int, n: int,
+            stale: torch.Tensor | None = None) -> list[int]:
+    """n greedy tokens from ``logits`` (the next-token logits at ``position``); cache entries
+    flagged in ``stale`` (bool per entry) are masked out."""
     tokens = [int(logits.argmax())]
     while len(tokens) < n:
+        mask = None
+        if stale is not None:
+            stale = torch.cat([stale, torch.zeros(1, dtype=torch.bool)])
+            mask = (~stale).view(1, 1, 1, -1)
         out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                    position_ids=torch.tensor([[position]]), use_cache=True, logits_to_keep=1)
+                    position_ids=torch.tensor([[position]]), attention_mask=mask,
+                    use_cache=True, logits_to_keep=1)
         tokens.append(int(out.logits[0, -1].argmax()))
         position += 1
     return tokens
@@ -275,9 +343,11 @@ def text_reference(encoder: FactEncoder, prompt: Prompt, n: int) -> tuple[torch.
 
 @torch.inference_mode()
 def injected(encoder: FactEncoder, rope: ChunkedRope, preamble: KV, facts: list[KV],
-             prompt: Prompt, n: int) -> tuple[torch.Tensor, list[int]]:
+             prompt: Prompt, n: int, recompute: Sequence[int] = ()
+             ) -> tuple[torch.Tensor, list[int]]:
     """Inject the preamble's and the facts' K/V (rotated to their serving positions), prefill
-    only the tokens after the memory: first-token log-probs and n greedy tokens."""
+    the memory positions in ``recompute`` again (their injected entries masked out) and the
+    tokens after the memory: first-token log-probs and n greedy tokens."""
     from transformers import DynamicCache
 
     k = torch.cat([preamble[0], *(f[0] for f in facts)], dim=1)
@@ -290,13 +360,41 @@ def injected(encoder: FactEncoder, rope: ChunkedRope, preamble: KV, facts: list[
                          v[layer].transpose(0, 1).unsqueeze(0).contiguous())
                         for layer in range(k.shape[0])],
         config=encoder.config)
-    suffix = prompt.token_ids[prompt.memory_end:]
-    positions = torch.arange(prompt.memory_end, len(prompt.token_ids)).unsqueeze(0)
-    out = encoder.model(input_ids=torch.tensor([suffix]), past_key_values=cache,
-                        position_ids=positions, use_cache=True, logits_to_keep=1)
+    redo = torch.tensor(sorted(set(recompute)), dtype=torch.long)
+    if redo.numel() and not (0 <= int(redo[0]) and int(redo[-1]) < prompt.memory_end):
+        raise ValueError("recomputed positions must lie in the memory span")
+    positions = torch.cat([redo, torch.arange(prompt.memory_end, len(prompt.token_ids))])
+    mask = stale = None
+    if redo.numel():  # query i sees live entries at positions <= its own
+        stale = torch.zeros(prompt.memory_end + len(positions), dtype=torch.bool)
+        stale[redo] = True
+        entries = torch.cat([torch.arange(prompt.memory_end), positions])
+        mask = ((entries[None, :] <= positions[:, None]) & ~stale[None, :])[None, None]
+    ids = torch.tensor(prompt.token_ids)[positions]
+    out = encoder.model(input_ids=ids[None], past_key_values=cache,
+                        position_ids=positions[None], attention_mask=mask, use_cache=True,
+                        logits_to_keep=1)
     logits = out.logits[0, -1]
-    tokens = _greedy(encoder.model, logits, out.past_key_values, len(prompt.token_ids), n)
+    tokens = _greedy(encoder.model, logits, out.past_key_values, len(prompt.token_ids), n,
+                     stale)
     return torch.log_softmax(logits.double(), -1), tokens
+
+
+def _recompute_positions(encoder: FactEncoder, job: Strategy, preamble: KV, facts: list[KV],
+                         prompt: Prompt, seed: int) -> list[int]:
+    """The memory positions ``job`` recomputes for this prompt (``blend``: by the layer-1 K/V
+    deviation from text prefill's, the fact tokens' K/V encoded after the true prefix)."""
+    if not job.recompute:
+        return []
+    deviation = None
+    if parse_selector(job.recompute)[0] == "blend":
+        memory_ids = prompt.token_ids[: prompt.memory_end]
+        text = encoder.encode([EncodeItem([], memory_ids)])[0]
+        got = (torch.cat([preamble[0], *(f[0] for f in facts)], dim=1),
+               torch.cat([preamble[1], *(f[1] for f in facts)], dim=1))
+        deviation = layer_deviation(got, (text.k, text.v), layer=1)
+    return select_positions(job.recompute, prompt.spans, deviation,
+                            seed * 1_000_003 + sum(prompt.token_ids) % 1_000_003)
 
 
 def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
@@ -354,8 +452,13 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
                 facts = [enc.combined(f, cs) for f, cs in plan]
                 uses.subtract(keys)
                 enc.drop({key for key in keys if uses[key] == 0 and key not in later})
-                got_log, got_tokens = injected(encoder, rope, preamble, facts, prompt, first_n)
+                redo = _recompute_positions(encoder, job, preamble, facts, prompt, seed)
+                got_log, got_tokens = injected(encoder, rope, preamble, facts, prompt, first_n,
+                                               redo)
+                fact_tokens = prompt.memory_end - len(preamble[0][0])
                 rows.append({"k": k, "strategy": job.name, "question": prompt.question,
+                             "recomputed": len(redo),
+                             "recomputed_share": len(redo) / max(fact_tokens, 1),
                              "kl": kl(ref_log, got_log), "kl_top20": top20_kl(ref_log, got_log),
                              "first_token": got_tokens[0] == ref_tokens[0],
                              f"first_{first_n}": got_tokens == ref_tokens,
@@ -366,6 +469,7 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
                      "kl_mean": statistics.mean(kls), "kl_median": statistics.median(kls),
                      "kl_ci95": list(bootstrap_mean_ci(kls)),
                      "kl_top20_mean": statistics.mean(r["kl_top20"] for r in rows),
+                     "recomputed_share": statistics.mean(r["recomputed_share"] for r in rows),
                      "first_token": statistics.mean(r["first_token"] for r in rows),
                      f"first_{first_n}": statistics.mean(r[f"first_{first_n}"] for r in rows),
                      "encodings": len(needs[n]), "encode_tokens": enc.tokens - tokens0,
@@ -390,18 +494,21 @@ def _result(summary: dict, records: list[dict], started: float) -> dict:
 
 
 def _paired(summary: dict, records: list[dict], ci) -> None:
-    """Per k, each strategy's KL minus the default's (neighbours@5) per question, with CI."""
+    """Per k, each strategy's KL minus the default's (neighbours@5) per question, with CI; a
+    strategy with recompute also against the same encodings without it (``_base``)."""
     by = defaultdict(dict)
     for r in records:
         by[(r["k"], r["strategy"])][r["question"]] = r["kl"]
     for entry in summary.values():
-        base = by.get((entry["k"], "neighbours@5"))
         mine = by[(entry["k"], entry["strategy"])]
-        if base and entry["strategy"] != "neighbours@5":
-            diffs = [mine[q] - base[q] for q in mine]
-            entry["kl_minus_neighbours5"] = statistics.mean(diffs)
-            entry["kl_minus_neighbours5_ci95"] = list(ci(diffs))
-            entry["closer_than_neighbours5"] = sum(d < 0 for d in diffs)
+        against = {"neighbours5": "neighbours@5", "base": entry["strategy"].partition("/")[0]}
+        for label, other in against.items():
+            base = by.get((entry["k"], other))
+            if base and entry["strategy"] != other:
+                diffs = [mine[q] - base[q] for q in mine]
+                entry[f"kl_minus_{label}"] = statistics.mean(diffs)
+                entry[f"kl_minus_{label}_ci95"] = list(ci(diffs))
+                entry[f"closer_than_{label}"] = sum(d < 0 for d in diffs)
 
 
 def load_locomo(data: Path, conversation: int, max_turns: int | None, questions: int, seed: int
@@ -455,10 +562,11 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
     result = measure(encoder, memory, list(zip(asked, query_vectors, strict=True)), ks,
                      strategies, w, first_n, seed, checkpoint=save)
     rows = [[name, s["kl_mean"], s["first_token"], s[f"first_{first_n}"],
-             s.get("kl_minus_neighbours5", ""), s["encode_tokens"]]
+             s.get("kl_minus_neighbours5", ""), s.get("kl_minus_base", ""),
+             s["recomputed_share"], s["encode_tokens"]]
             for name, s in result["summary"].items()]
     print_table(["strategy", "KL mean", "first token", f"first {first_n}",
-                 "KL - neighbours@5", "encode tokens"], rows)
+                 "KL - neighbours@5", "KL - no recompute", "recomputed", "encode tokens"], rows)
     path = write_report(out_dir, name, {**report, "complete": True, **result,
                                         "wall_s": round(time.perf_counter() - started, 1)})
     print(f"wrote {path}")

@@ -1,9 +1,10 @@
 """The offline drift harness on a seeded tiny model (no Kafka, Postgres or vLLM engine)."""
 
 import numpy as np
+import pytest
 import torch
 
-from inferscale.drift import Encodings, Memory, make_strategy, measure
+from inferscale.drift import Encodings, Memory, make_strategy, measure, select_positions
 from inferscale.encoder import FactEncoder
 
 SAID = ["Sam: I moved to Lisbon last month.", "Alex: Do you still work as a nurse?",
@@ -70,3 +71,41 @@ def test_strategies_use_earlier_facts_only_and_share_encodings(tiny_models):
     alone = Encodings(encoder, memory)
     alone.ensure({(2, (0, 1))})
     torch.testing.assert_close(joint_k, alone.kv[(2, (0, 1))][0], rtol=1e-5, atol=1e-5)
+
+
+def test_recomputing_every_fact_token_equals_text_prefill(tiny_models):
+    """Selective recompute: prefilling memory positions again at their own positions, with
+    their injected entries masked out, converges to text prefill when every fact token is
+    recomputed; recomputing nothing is plain injection."""
+    torch.manual_seed(0)
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    memory = _memory(encoder)
+    specs = ["none", "none/first0", "none/first1000", "none/random1", "none/blend1",
+             "none/random0.5", "none/blend0.5"]
+    summary = measure(encoder, memory, _questions(3), ks=[4], strategies=specs, w=2,
+                      log=lambda _: None)["summary"]
+    none = summary["none k=4"]
+    assert summary["none/first0 k=4"]["kl_mean"] == pytest.approx(none["kl_mean"], rel=1e-6)
+    assert summary["none/first0 k=4"]["recomputed_share"] == 0
+    for full in ("none/first1000", "none/random1", "none/blend1"):
+        assert summary[f"{full} k=4"]["recomputed_share"] == 1
+        assert summary[f"{full} k=4"]["kl_mean"] < 1e-6, full
+        assert summary[f"{full} k=4"]["first_4"] == 1, full
+    for half in ("none/random0.5", "none/blend0.5"):
+        assert 0.4 < summary[f"{half} k=4"]["recomputed_share"] < 0.6
+        assert summary[f"{half} k=4"]["kl_mean"] < none["kl_mean"], half
+
+
+def test_recompute_selectors():
+    spans = [(3, 7), (7, 9), (9, 14)]
+    assert select_positions("first2", spans, None, 0) == [3, 4, 7, 8, 9, 10]
+    assert select_positions("first0", spans, None, 0) == []
+    deviation = torch.zeros(14)
+    deviation[[5, 12, 1]] = torch.tensor([3.0, 2.0, 9.0])  # 1 is the preamble's: never chosen
+    assert select_positions("blend0.2", spans, deviation, 0) == [5, 12]
+    picked = select_positions("random0.5", spans, None, 7)
+    assert len(picked) == 6 and set(picked) <= set(range(3, 14))
+    assert picked == select_positions("random0.5", spans, None, 7)  # seeded
+    for bad in ("first-1", "first1.5", "blend2", "random", "middle3", "blendx"):
+        with pytest.raises(ValueError):
+            make_strategy(f"neighbours@2/{bad}", None, 5, k=4)
