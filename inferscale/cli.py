@@ -188,7 +188,8 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
         drift.run(settings, Path(args.data), Path(args.out), conversation=args.conversation,
                   questions=args.questions, ks=tuple(args.k), strategies=tuple(args.strategies),
                   w=windows[0], max_turns=args.max_turns, seed=args.seed,
-                  threads=args.threads, name=args.name, anchor=args.anchor)
+                  threads=args.threads, name=args.name, anchor=args.anchor,
+                  order=args.order)
         return 0
     evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
                  questions=args.questions, ks=tuple(args.k), windows=tuple(windows),
@@ -292,10 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversation", type=int, default=0, help="drift: which conversation")
     p.add_argument("--strategies", nargs="+", default=["oracle", "turns", "neighbours"],
                    help="drift: encoding strategies (name or name@w): oracle, oracle-local, "
-                        "none, turns, neighbours, neighbours-first, neighbours-len, "
+                        "none, turns, neighbours, neighbours-first, neighbours-time, "
+                        "neighbours-len, "
                         "neighbours-avg, neighbours-rand, neighbours-select, "
                         "neighbours-all, coret, stream; '-pos0' suffix: the first fact served "
-                        "uses its preamble-only encoding")
+                        "uses its preamble-only encoding; '/first<b>', '/blend<r>', "
+                        "'/random<r>': selective recompute after injection")
     p.add_argument("--threads", type=int, default=2, help="drift: torch CPU threads")
     p.add_argument("--name", default="drift", help="drift: report name (<out>/<name>.json)")
     p.add_argument("--anchor", help="drift: a fixed memory line after the preamble (layout "

@@ -64,10 +64,11 @@ class Memory:
         distance = 1.0 - self.vectors[among].astype(np.float64) @ vector.astype(np.float64)
         return [int(among[j]) for j in np.lexsort((among, distance))[:n]]
 
-    def served(self, query: np.ndarray, k: int) -> list[int]:
-        """The top-k facts in prompt order: nearest first from retrieval, reversed (best last),
-        as ``frontend.compose`` lays them out by default."""
-        return self.nearest(query, range(len(self.texts)), k)[::-1]
+    def served(self, query: np.ndarray, k: int, order: str = "relevance") -> list[int]:
+        """The top-k facts in prompt order as ``frontend.compose`` lays them out: nearest first
+        from retrieval, reversed (best last), or in stored order (``order="time"``)."""
+        top = self.nearest(query, range(len(self.texts)), k)
+        return sorted(top) if order == "time" else top[::-1]
 
     def neighbours(self, fact: int, w: int, skip: int = 0, among: Sequence[int] | None = None
                    ) -> Context:
@@ -160,6 +161,8 @@ def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int =
         "turns": lambda f, p: [tuple(range(max(f - w, 0), f))],
         "neighbours": lambda f, p: [m.neighbours(f, w)],
         "neighbours-first": lambda f, p: [m.neighbours(f, w)[::-1]],
+        # the same neighbours in stored order (as facts served in time order precede it)
+        "neighbours-time": lambda f, p: [tuple(sorted(m.neighbours(f, w)))],
         # as many neighbours as facts precede it when served (none for the first fact)
         "neighbours-len": lambda f, p: [m.neighbours(f, min(len(p), w))],
         "neighbours-avg": lambda f, p: bands(f) or [()],
@@ -302,11 +305,11 @@ class Prompt:
     spans: list[tuple[int, int]]  # each fact's [start, end), in prompt order
 
 
-def compose(encoder: FactEncoder, memory: Memory, question: str, query: np.ndarray, k: int
-            ) -> Prompt:
-    """The served prompt of ``question``: top-k facts (best last) and the chat, token ids as the
-    front end composes them."""
-    order = memory.served(query, k)
+def compose(encoder: FactEncoder, memory: Memory, question: str, query: np.ndarray, k: int,
+            order: str = "relevance") -> Prompt:
+    """The served prompt of ``question``: top-k facts in ``order`` and the chat, token ids as
+    the front end composes them."""
+    order = memory.served(query, k, order)
     plan = encoder.layout.compose([memory.segments[i] for i in order],
                                   [{"role": "user", "content": question}])
     end = plan.fact_spans[-1][1] if plan.fact_spans else plan.preamble_len
@@ -416,9 +419,9 @@ def top20_kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
 def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.ndarray]],
             ks: Sequence[int], strategies: Sequence[str], w: int = 5, first_n: int = 4,
             seed: int = 0, log: Callable[[str], None] = print,
-            checkpoint: Callable[[dict], None] | None = None) -> dict:
-    """Every strategy at every k over the questions; a summary and per-question records
-    (``checkpoint`` gets the partial result after each strategy)."""
+            checkpoint: Callable[[dict], None] | None = None, order: str = "relevance") -> dict:
+    """Every strategy at every k over the questions, facts served in ``order``; a summary and
+    per-question records (``checkpoint`` gets the partial result after each strategy)."""
     from inferscale.fidelity import bootstrap_mean_ci
 
     encoder.kv_dtype = torch.float32  # fp32 K/V: text and inject differ only by context
@@ -430,7 +433,7 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
     summary: dict[str, dict] = {}
     started = time.perf_counter()
     for k in ks:
-        prompts = [compose(encoder, memory, q, vec, k) for q, vec in questions]
+        prompts = [compose(encoder, memory, q, vec, k, order) for q, vec in questions]
         t0 = time.perf_counter()
         refs = [text_reference(encoder, p, first_n) for p in prompts]
         log(f"k={k}: text prefill of {len(prompts)} prompts "
@@ -530,7 +533,8 @@ def load_locomo(data: Path, conversation: int, max_turns: int | None, questions:
 def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: int = 40,
         ks: Sequence[int] = (20,), strategies: Sequence[str] = ("oracle", "neighbours"),
         w: int = 5, max_turns: int | None = 150, seed: int = 1, first_n: int = 4,
-        threads: int = 2, name: str = "drift", anchor: str | None = None) -> dict:
+        threads: int = 2, name: str = "drift", anchor: str | None = None,
+        order: str = "relevance") -> dict:
     """Load the model, embedder and data; measure; print a table and write ``<name>.json``.
 
     ``anchor``: a layout variant where a fixed memory line follows the preamble (in text and
@@ -554,13 +558,13 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
     report = {"data": str(data), "conversation": conversation, "max_turns": max_turns,
               "facts": len(facts), "questions": len(asked), "seed": seed, "ks": list(ks),
               "w": w, "strategies": list(strategies), "first_n": first_n, "threads": threads,
-              "dtype": "float32", "anchor": anchor}
+              "dtype": "float32", "anchor": anchor, "order": order}
 
     def save(partial: dict) -> None:
         write_report(out_dir, name, {**report, "complete": False, **partial})
 
     result = measure(encoder, memory, list(zip(asked, query_vectors, strict=True)), ks,
-                     strategies, w, first_n, seed, checkpoint=save)
+                     strategies, w, first_n, seed, checkpoint=save, order=order)
     rows = [[name, s["kl_mean"], s["first_token"], s[f"first_{first_n}"],
              s.get("kl_minus_neighbours5", ""), s.get("kl_minus_base", ""),
              s["recomputed_share"], s["encode_tokens"]]

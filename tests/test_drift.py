@@ -45,7 +45,8 @@ def test_strategies_use_earlier_facts_only_and_share_encodings(tiny_models):
     encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
     memory = _memory(encoder)
     prefix = (6, 1)
-    for name in ("turns", "neighbours", "neighbours-first", "neighbours-len", "neighbours-avg",
+    for name in ("turns", "neighbours", "neighbours-first", "neighbours-time", "neighbours-len",
+                 "neighbours-avg",
                  "neighbours-rand", "neighbours-select", "coret", "neighbours-pos0", "stream"):
         strategy = make_strategy(f"{name}@2", memory, 5, k=4)
         for fact in range(len(SAID)):
@@ -109,3 +110,12 @@ def test_recompute_selectors():
     for bad in ("first-1", "first1.5", "blend2", "random", "middle3", "blendx"):
         with pytest.raises(ValueError):
             make_strategy(f"neighbours@2/{bad}", None, 5, k=4)
+
+
+def test_time_order_serves_the_same_facts_in_stored_order(tiny_models):
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    memory = _memory(encoder)
+    for _, query in _questions(4):
+        relevance = memory.served(query, 4)
+        assert memory.nearest(query, range(len(SAID)), 1) == relevance[-1:]  # best last
+        assert memory.served(query, 4, "time") == sorted(relevance)
