@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     ingest_batch_size: int = 256
     ingest_poll_ms: int = 500
     drain_idle_s: float = 3.0
+    # A member with no partitions while the group's committed offsets stand still behind the
+    # log end for this long reports the group stalled (error log, gauge, /readyz 503).
+    group_stall_s: float = Field(default=60.0, gt=0)
     max_pending_facts: int = 2000  # facts to encode + turns to extract: pauses consumption
     worker_http_port: int | None = None
     # A worker asked to stop (SIGTERM/SIGINT) finishes its current batches; one still running

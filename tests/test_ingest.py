@@ -11,6 +11,7 @@ from helpers import extract_all, read_topic, sample_turns
 from inferscale.db.queries import count_user_rows
 from inferscale.db.tables import facts
 from inferscale.kafka import ensure_topics, make_producer, publish_turns
+from inferscale.settings import Settings
 from workers.ingest import IngestWorker
 
 
@@ -130,3 +131,60 @@ async def test_bad_messages_go_to_dead_letter_and_good_ones_are_kept(settings, e
         assert expected in reason
         assert record.value == raw
         assert dict(record.headers)["source-topic"].decode() == settings.turns_topic
+
+
+async def test_a_member_without_partitions_reports_a_group_that_consumes_nothing(settings,
+                                                                                 engine):
+    """One partition, two members: whoever holds it gets stuck in a batch (offsets uncommitted);
+    the other, without partitions, reports the group stalled (error, gauge, not ready) while
+    records wait, and clears once the group commits again; with nothing waiting it stays quiet."""
+    from prometheus_client import REGISTRY
+
+    def gauge() -> float | None:
+        return REGISTRY.get_sample_value("inferscale_worker_group_stalled")
+
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], partitions=1)
+    turns = sample_turns()
+    await publish(settings, turns)
+    cfg = settings.model_copy(update={"group_stall_s": 1.0, "ingest_batch_size": 4})
+    release = asyncio.Event()
+
+    async def hold(_offsets) -> None:
+        await release.wait()
+
+    pair = [worker(cfg, engine, after_store=hold) for _ in range(2)]
+    runs = [asyncio.create_task(w.run()) for w in pair]
+
+    async def until(condition, timeout_s: float = 60.0) -> None:
+        for _ in range(int(timeout_s * 10)):
+            if condition():
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out; stalled {[w.stalled for w in pair]}, consumed "
+                             f"{[w.stats.consumed for w in pair]}")
+
+    try:
+        await until(lambda: any(w.stalled for w in pair))
+        idle = next(w for w in pair if w.stalled)
+        holder = next(w for w in pair if w is not idle)
+        assert not idle.ready and holder.ready and not holder.stalled
+        assert gauge() == 1
+        release.set()
+        await until(lambda: not idle.stalled)
+        assert idle.ready and gauge() == 0
+        await until(lambda: sum(w.stats.turns_stored for w in pair) == len(turns))
+        await asyncio.sleep(4 * cfg.group_stall_s)  # all committed: nothing waits, no alarm
+        assert not idle.stalled and gauge() == 0
+    finally:
+        release.set()
+        for w in pair:
+            w.request_stop()
+        await asyncio.gather(*runs)
+
+
+def test_group_stall_setting_is_validated():
+    from pydantic import ValidationError
+
+    for bad in (0, -1, "soon"):
+        with pytest.raises(ValidationError, match="group_stall_s"):
+            Settings(group_stall_s=bad)

@@ -27,6 +27,9 @@ LAG = Gauge("inferscale_worker_lag", "Records behind the partition end", ["parti
 PENDING_FACTS = Gauge("inferscale_worker_pending_facts",
                       "Facts waiting for their KV plus turns waiting for extraction")
 PAUSED = Gauge("inferscale_worker_paused", "1 while consumption is paused by back-pressure")
+GROUP_STALLED = Gauge("inferscale_worker_group_stalled",
+                      "1 while this member has no partitions and the group commits nothing "
+                      "although records wait")
 
 
 class HealthServer:
