@@ -16,5 +16,12 @@ async def retrieve(
     """Embed the query off the event loop, then search the owner's facts, nearest first."""
     loop = asyncio.get_running_loop()
     vector = (await loop.run_in_executor(None, embedder.encode, [query]))[0]
-    async with engine.begin() as conn:
-        return await top_k_facts(conn, user_id, vector.tolist(), k)
+    return await search(engine, user_id, vector.tolist(), k)
+
+
+async def search(engine: AsyncEngine, user_id: str, vector: list[float], k: int
+                 ) -> list[RetrievedFact]:
+    """The owner's k live facts nearest to ``vector``, nearest first."""
+    async with engine.connect() as conn:  # one statement: no BEGIN / COMMIT round trips
+        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        return await top_k_facts(conn, user_id, vector, k)

@@ -16,9 +16,10 @@ from sqlalchemy import delete
 
 from inferscale.bench.common import percentile, print_table, write_report
 from inferscale.db.engine import create_engine
-from inferscale.db.queries import NewFact, top_k_facts, upsert_facts
+from inferscale.db.queries import NewFact, upsert_facts
 from inferscale.db.tables import facts
 from inferscale.embedder import Embedder, load_embedder
+from inferscale.retrieval import search
 from inferscale.settings import Settings
 
 FACTS_PER_USER = (1_000, 10_000)
@@ -42,7 +43,9 @@ def _timed(fn, inputs) -> list[float]:
     return samples
 
 
-async def _store(engine, users: list[str], n: int, rng: np.random.Generator) -> None:
+async def _store(engine, users: list[str], n: int, rng: np.random.Generator) -> np.ndarray:
+    """n random unit vectors per user as facts "fact <i>"; the first user's vectors."""
+    stored = []
     for user in users:
         vectors = rng.standard_normal((n, 384)).astype(np.float32)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -52,17 +55,23 @@ async def _store(engine, users: list[str], n: int, rng: np.random.Generator) -> 
                     for i in range(start, min(start + 2000, n))]
             async with engine.begin() as conn:
                 await upsert_facts(conn, rows)
+        stored.append(vectors)
+    return stored[0]
 
 
-async def _search_times(engine, user: str, vectors: np.ndarray, k: int) -> list[float]:
-    samples = []
-    for i, vector in enumerate(vectors):
+async def _searches(engine, user: str, facts: np.ndarray, queries: np.ndarray, k: int
+                    ) -> tuple[list[float], float]:
+    """Latency of the server's search per query (after warm-up) and its mean recall@k against
+    the exact top-k of the owner's facts."""
+    samples, recalls = [], []
+    for i, query in enumerate(queries):
         began = time.perf_counter()
-        async with engine.begin() as conn:
-            await top_k_facts(conn, user, vector.tolist(), k)
+        hits = await search(engine, user, query.tolist(), k)
         if i >= WARMUP:
             samples.append(time.perf_counter() - began)
-    return samples
+        exact = {f"fact {j}" for j in np.argsort(-(facts @ query), kind="stable")[:k]}
+        recalls.append(len(exact & {hit.text for hit in hits}) / k)
+    return samples, statistics.mean(recalls)
 
 
 async def _run(settings: Settings, questions: list[str], ks: tuple[int, ...]) -> dict:
@@ -75,10 +84,11 @@ async def _run(settings: Settings, questions: list[str], ks: tuple[int, ...]) ->
     try:
         for n in FACTS_PER_USER:
             users = [f"bench-retrieval-{uuid.uuid4().hex[:8]}" for _ in range(OWNERS)]
-            await _store(engine, users, n, rng)
+            facts_of_first = await _store(engine, users, n, rng)
             for k in ks:
-                samples = await _search_times(engine, users[0], vectors, k)
-                searches.append({"facts_per_user": n, "k": k, **_ms(samples)})
+                samples, recall = await _searches(engine, users[0], facts_of_first, vectors, k)
+                searches.append({"facts_per_user": n, "k": k, **_ms(samples),
+                                 "recall_at_k": recall})
             async with engine.begin() as conn:
                 await conn.execute(delete(facts).where(facts.c.user_id.in_(users)))
     finally:
@@ -94,8 +104,9 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 60,
     result = asyncio.run(_run(settings, questions, ks))
     print_table(["query embedding", "p50 ms", "p90 ms"],
                 [[name, r["p50_ms"], r["p90_ms"]] for name, r in result["embed"].items()])
-    print_table(["facts per user", "k", "search p50 ms", "p90 ms", "embed (onnx) + search p50"],
-                [[s["facts_per_user"], s["k"], s["p50_ms"], s["p90_ms"],
+    print_table(["facts per user", "k", "search p50 ms", "p90 ms", "recall@k",
+                 "embed (onnx) + search p50"],
+                [[s["facts_per_user"], s["k"], s["p50_ms"], s["p90_ms"], s["recall_at_k"],
                   s["p50_ms"] + result["embed"]["onnx"]["p50_ms"]] for s in result["search"]])
     report = {"questions": len(questions), "owners_per_size": OWNERS,
               "fact_vectors": "random unit vectors (search cost does not depend on the text)",

@@ -91,7 +91,8 @@ async def top_k_facts(
     """The user's k live facts nearest to the query by cosine distance, nearest first."""
     if k <= 0:
         return []
-    # Exact order under the owner filter: the engine's sessions set hnsw.iterative_scan.
+    # The engine's sessions set hnsw.iterative_scan (relaxed order), so the owner filter never
+    # starves the scan; the k rows are sorted here.
     distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
     stmt = (
         select(
@@ -108,7 +109,8 @@ async def top_k_facts(
         .order_by(distance, facts.c.id)
         .limit(k)
     )
-    return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
+    hits = [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
+    return sorted(hits, key=lambda hit: (hit.distance, hit.id))
 
 
 async def count_user_rows(conn: AsyncConnection, user_id: str) -> tuple[int, int]:
