@@ -137,6 +137,9 @@ class Settings(BaseSettings):
     # Share of time the encode stage may be busy (1.0 = flat out). Below 1 it rests after each
     # batch, leaving the shared device (CPU cores or GPU) to serving: less TTFT, later KV.
     encode_duty_cycle: float = Field(default=1.0, gt=0.0, le=1.0)
+    # torch threads of a worker process (None: torch's default, every core). A worker that
+    # shares the host's cores with a vLLM server gets half of them (``stack.sharing_cores``).
+    worker_threads: int | None = Field(default=None, ge=1)
     device: str | None = None
     # Compute dtype of the encoder's forward pass; "auto": float32 on CPU, the model's dtype on
     # a GPU. KV is always stored in the model's dtype, as vLLM serves it.

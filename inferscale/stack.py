@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -33,14 +34,29 @@ def prepare(settings: Settings) -> Settings:
                                        "kv_dir": settings.kv_path})
 
 
+def sharing_cores(settings: Settings, processes: int) -> Settings:
+    """Settings of a worker that shares this host's cores with ``processes - 1`` other busy
+    processes (a vLLM server, other workers): its share of the cores for its torch threads,
+    unless set. Processes that each run threads on every core slow each other down many times
+    over (``bench freshness`` on 2 cores beside the server: one fact's encode took 1-2 s with
+    one worker thread, up to 23 s with two)."""
+    if settings.worker_threads is not None:
+        return settings
+    share = max(1, (os.cpu_count() or 1) // max(processes, 1))
+    return settings.model_copy(update={"worker_threads": share})
+
+
 @contextlib.contextmanager
-def worker_process(settings: Settings, log_path: Path) -> Iterator[subprocess.Popen]:
-    """An `inferscale worker` (ingest + encode) in its own process; SIGTERM on exit."""
+def worker_process(settings: Settings, log_path: Path, sharing: int = 2
+                   ) -> Iterator[subprocess.Popen]:
+    """An `inferscale worker` (ingest + encode) in its own process, one of ``sharing`` busy
+    processes on this host (by default beside this host's vLLM server); SIGTERM on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "worker"],
-                                   env=settings_env(settings), stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   env=settings_env(sharing_cores(settings, sharing)),
+                                   stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     try:
         yield process
     finally:

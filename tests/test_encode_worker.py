@@ -30,6 +30,7 @@ from inferscale.forget import forget_user
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.kvstore import KVStore
 from inferscale.plan import lead_name
+from inferscale.settings import Settings
 from inferscale.stack import worker_process
 from workers.encode import EncodeWorker
 from workers.ingest import IngestWorker
@@ -398,6 +399,8 @@ async def test_a_fact_that_kills_its_worker_is_quarantined_and_the_rest_encode(
             break
     log = (tmp_path / "worker.log").read_text(errors="replace")
     assert deaths == cfg.encode_max_crashes, log[-3000:]
+    # beside a server, a worker takes its share of the cores for torch (stack.sharing_cores)
+    assert f"torch threads: {max(1, (os.cpu_count() or 1) // 2)}" in log
     rows = {row.text.split(": ", 1)[1]: row for row in await _user_facts(engine, user)}
     assert rows["POISON pill."].encode_error == (
         f"quarantined: worker died {cfg.encode_max_crashes} times while encoding it")
@@ -416,3 +419,20 @@ async def _poison_settled(engine, user: str, proc, timeout_s: float = 180) -> bo
             return True
         await asyncio.sleep(0.5)
     raise AssertionError("neither quarantined nor dead in time")
+
+
+def test_a_worker_sharing_the_host_takes_its_share_of_the_cores(settings):
+    from pydantic import ValidationError
+
+    from inferscale.stack import sharing_cores
+
+    cores = os.cpu_count() or 1
+    assert sharing_cores(settings, 2).worker_threads == max(1, cores // 2)
+    assert sharing_cores(settings, 1).worker_threads == cores
+    assert sharing_cores(settings, 10 * cores).worker_threads == 1
+    assert sharing_cores(settings, 0).worker_threads == cores
+    pinned = settings.model_copy(update={"worker_threads": 3})
+    assert sharing_cores(pinned, 2).worker_threads == 3  # an explicit setting wins
+    for bad in (0, -2, "many", 1.5):
+        with pytest.raises(ValidationError, match="worker_threads"):
+            Settings(worker_threads=bad)

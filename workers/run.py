@@ -106,6 +106,11 @@ class _Shutdown:
 
 async def run_worker(settings: Settings, drain: bool = False) -> dict:
     """Consume, extract and encode until SIGTERM/SIGINT (or drained with ``drain``)."""
+    if settings.worker_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.worker_threads)
+        log.info("torch threads: %d", torch.get_num_threads())
     engine = create_engine(settings=settings)
     loop = asyncio.get_running_loop()
     encoder, store = await loop.run_in_executor(None, open_encoder_and_store, settings)

@@ -73,7 +73,7 @@ def run(settings: Settings, data: Path, out_dir: Path, limit: int = 400,
         events = [e.model_copy(update={"user_id": f"{e.user_id}-{tag}",
                                        "conversation_id": f"{e.conversation_id}-{tag}"})
                   for e in base]
-        procs = [worker_process(run_settings, out_dir / f"worker-{n}-{i}.log")
+        procs = [worker_process(run_settings, out_dir / f"worker-{n}-{i}.log", sharing=n)
                  for i in range(n)]
         for p in procs:
             p.__enter__()
