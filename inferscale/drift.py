@@ -344,17 +344,21 @@ def text_reference(encoder: FactEncoder, prompt: Prompt, n: int) -> tuple[torch.
     return torch.log_softmax(logits.double(), -1), tokens
 
 
+def memory_kv(preamble: KV, facts: list[KV]) -> KV:
+    """The memory span's pre-RoPE K/V: the preamble's, then each fact's, in prompt order."""
+    return (torch.cat([preamble[0], *(f[0] for f in facts)], dim=1),
+            torch.cat([preamble[1], *(f[1] for f in facts)], dim=1))
+
+
 @torch.inference_mode()
-def injected(encoder: FactEncoder, rope: ChunkedRope, preamble: KV, facts: list[KV],
-             prompt: Prompt, n: int, recompute: Sequence[int] = ()
-             ) -> tuple[torch.Tensor, list[int]]:
-    """Inject the preamble's and the facts' K/V (rotated to their serving positions), prefill
+def injected(encoder: FactEncoder, rope: ChunkedRope, memory: KV, prompt: Prompt, n: int,
+             recompute: Sequence[int] = ()) -> tuple[torch.Tensor, list[int]]:
+    """Inject the memory's K/V (``memory_kv``, rotated to their serving positions), prefill
     the memory positions in ``recompute`` again (their injected entries masked out) and the
     tokens after the memory: first-token log-probs and n greedy tokens."""
     from transformers import DynamicCache
 
-    k = torch.cat([preamble[0], *(f[0] for f in facts)], dim=1)
-    v = torch.cat([preamble[1], *(f[1] for f in facts)], dim=1)
+    k, v = memory
     if k.shape[1] != prompt.memory_end:
         raise ValueError("injected K/V do not cover the memory span")
     k = rope.rotate(k, torch.arange(prompt.memory_end))
@@ -383,8 +387,8 @@ def injected(encoder: FactEncoder, rope: ChunkedRope, preamble: KV, facts: list[
     return torch.log_softmax(logits.double(), -1), tokens
 
 
-def _recompute_positions(encoder: FactEncoder, job: Strategy, preamble: KV, facts: list[KV],
-                         prompt: Prompt, seed: int) -> list[int]:
+def _recompute_positions(encoder: FactEncoder, job: Strategy, memory: KV, prompt: Prompt,
+                         seed: int) -> list[int]:
     """The memory positions ``job`` recomputes for this prompt (``blend``: by the layer-1 K/V
     deviation from text prefill's, the fact tokens' K/V encoded after the true prefix)."""
     if not job.recompute:
@@ -393,9 +397,7 @@ def _recompute_positions(encoder: FactEncoder, job: Strategy, preamble: KV, fact
     if parse_selector(job.recompute)[0] == "blend":
         memory_ids = prompt.token_ids[: prompt.memory_end]
         text = encoder.encode([EncodeItem([], memory_ids)])[0]
-        got = (torch.cat([preamble[0], *(f[0] for f in facts)], dim=1),
-               torch.cat([preamble[1], *(f[1] for f in facts)], dim=1))
-        deviation = layer_deviation(got, (text.k, text.v), layer=1)
+        deviation = layer_deviation(memory, (text.k, text.v), layer=1)
     return select_positions(job.recompute, prompt.spans, deviation,
                             seed * 1_000_003 + sum(prompt.token_ids) % 1_000_003)
 
@@ -455,9 +457,9 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
                 facts = [enc.combined(f, cs) for f, cs in plan]
                 uses.subtract(keys)
                 enc.drop({key for key in keys if uses[key] == 0 and key not in later})
-                redo = _recompute_positions(encoder, job, preamble, facts, prompt, seed)
-                got_log, got_tokens = injected(encoder, rope, preamble, facts, prompt, first_n,
-                                               redo)
+                memory_span = memory_kv(preamble, facts)
+                redo = _recompute_positions(encoder, job, memory_span, prompt, seed)
+                got_log, got_tokens = injected(encoder, rope, memory_span, prompt, first_n, redo)
                 fact_tokens = prompt.memory_end - len(preamble[0][0])
                 rows.append({"k": k, "strategy": job.name, "question": prompt.question,
                              "recomputed": len(redo),
