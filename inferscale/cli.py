@@ -196,7 +196,18 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
                  contexts=tuple(args.context or [settings.encode_context]),
                  recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
                  leads=tuple(choice == "on" for choice in args.lead),
-                 max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed)
+                 max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed,
+                 key_scales=tuple(choice == "on" for choice in args.key_scales))
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale import calibrate
+
+    calibrate.run(settings, Path(args.data), Path(args.out) if args.out else None,
+                  conversations=tuple(args.conversations), questions=args.questions, k=args.k,
+                  max_turns=args.max_turns, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                  threads=args.threads)
     return 0
 
 
@@ -283,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tail recompute: best m facts prefilled after the injected ones")
     p.add_argument("--lead", choices=["on", "off"], nargs="+", default=["on"],
                    help="inject with and/or without the lead encoding for the first fact served")
+    p.add_argument("--key-scales", choices=["on", "off"], nargs="+", default=["on"],
+                   help="inject with and/or without the server's key scales")
     p.add_argument("--order", choices=["relevance", "time"], default="relevance",
                    help="fact order in the prompt (text and inject alike)")
     p.add_argument("--oracle", action="store_true",
@@ -297,13 +310,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "neighbours-len, "
                         "neighbours-avg, neighbours-rand, neighbours-select, "
                         "neighbours-all, coret, stream; '-pos0' suffix: the first fact served "
-                        "uses its preamble-only encoding; '/first<b>', '/blend<r>', "
+                        "uses its preamble-only encoding; '+scales': the facts' keys scaled "
+                        "by the key scales (INFERSCALE_KEY_SCALES); '/first<b>', '/blend<r>', "
                         "'/random<r>': selective recompute after injection")
     p.add_argument("--threads", type=int, default=2, help="drift: torch CPU threads")
     p.add_argument("--name", default="drift", help="drift: report name (<out>/<name>.json)")
     p.add_argument("--anchor", help="drift: a fixed memory line after the preamble (layout "
                                     "variant, text and inject alike)")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("calibrate", help="fit the served model's key scales on LoCoMo-format "
+                                         "conversations (HF, offline)")
+    p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
+    p.add_argument("--out", help="the scales file (default: <data_dir>/key_scales/<model>.json)")
+    p.add_argument("--conversations", type=int, nargs="+", default=[1, 2],
+                   help="conversation indexes to fit on (keep evaluation ones out)")
+    p.add_argument("--questions", type=int, default=40, help="questions per conversation")
+    p.add_argument("--k", type=int, default=50, help="facts per served prompt")
+    p.add_argument("--max-turns", type=int, default=150, help="each conversation's first N turns")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("demo", help="run the whole pipeline on embedded defaults")
     p.add_argument("--file", help="a LoCoMo-format conversation (default: the shipped sample)")

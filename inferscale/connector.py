@@ -7,8 +7,9 @@ Load with ``--kv-transfer-config '{"kv_connector": "InferScaleConnector",
 Scheduler side (EngineCore): authenticates the request's signed plan, checks the prompt tokens
 of every segment, and claims the memory span (preamble + injected facts) minus the local
 prefix-cache hit, never the last prompt token. Worker side: pages the segments' KV in by id
-(device -> host -> durable), applies Chunked RoPE to all layers in one call and writes K/V with
-the attention backend's own cache-update op. A blob that is missing, corrupt, made for another
+(device -> host -> durable), applies Chunked RoPE to all layers in one call (and the key scales
+to the facts' keys, where the plan asks: ``key_scales.py``) and writes K/V with the attention
+backend's own cache-update op. A blob that is missing, corrupt, made for another
 model or does not match the prompt is reported as failed blocks, which vLLM recomputes.
 """
 
@@ -31,9 +32,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from inferscale.fingerprint import model_fingerprint
+from inferscale.key_scales import key_factor, resolve_key_scales
 from inferscale.kvstore import KVStore
 from inferscale.metrics import KV_METRICS
-from inferscale.plan import PLAN_KEY, PlanError, Segment, verify
+from inferscale.plan import PLAN_KEY, PREAMBLE, PlanError, Segment, verify
 from inferscale.rope import ChunkedRope, model_head_dim
 from inferscale.settings import get_settings
 
@@ -75,13 +77,15 @@ def _never_raises(fallback: Callable[..., Any]):
 
 @dataclass
 class LoadSpec:
-    """Positions ``[start, end)`` of one request to fill from ``segments`` into ``block_ids``."""
+    """Positions ``[start, end)`` of one request to fill from ``segments`` into ``block_ids``;
+    ``key_scales``: scale the facts' keys (the plan asks for it)."""
 
     request_id: str
     start: int
     end: int
     segments: list[Segment]
     block_ids: list[int] = field(default_factory=list)
+    key_scales: bool = False
 
 
 @dataclass
@@ -119,6 +123,10 @@ class InferScaleConnector(KVConnectorBase_V1):
             hf = model_config.hf_config
             self._kv_shape = (hf.num_hidden_layers, model_config.get_total_num_kv_heads(),
                               model_head_dim(hf))
+            scales = resolve_key_scales(settings.key_scales, model_config.model,
+                                        hf.num_hidden_layers)
+            self._key_scales = None if scales is None else scales.tensor(device=device)
+            log.info("key scales: %s", scales.source if scales else "none")
         else:
             self._store = KVStore.from_settings(settings, self._fingerprint, host_bytes=0)
             self._present: TTLCache[str, bool] = TTLCache(PRESENT_MAX, PRESENT_TTL_S)
@@ -166,7 +174,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if end <= num_computed_tokens:
             return 0, False
         self._pending[request.request_id] = LoadSpec(request.request_id, num_computed_tokens,
-                                                     end, segments)
+                                                     end, segments, key_scales=plan.key_scales)
         return end - num_computed_tokens, False
 
     def _blob_present(self, name: str) -> bool:
@@ -236,10 +244,12 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def _load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
         """Page in every load's KV, copy it once into one buffer, rotate all keys in place in
-        one kernel call, then write each layer's K/V with one cache update."""
+        one kernel call (and scale the facts' keys where the plan asks), then write each layer's
+        K/V with one cache update."""
         started = time.perf_counter()
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         positions, slots = [], []
+        scaled: list[bool] = []  # per piece: its keys take the key scales
         for spec in loads:
             try:
                 spec_pieces = self._pieces(spec)
@@ -251,15 +261,20 @@ class InferScaleConnector(KVConnectorBase_V1):
                 KV_METRICS.load_failures.labels(getattr(exc, "reason", "mismatch")).inc()
                 self._failed_blocks |= self._blocks_of(spec)
                 continue
-            pieces += spec_pieces
+            pieces += [(k, v) for k, v, _ in spec_pieces]
             positions.append(spec_positions)
             slots.append(spec_slots)
+            scaled += [spec.key_scales and name != PREAMBLE for _, _, name in spec_pieces]
         if not pieces:
             return
         k = torch.cat([piece[0] for piece in pieces], dim=1)
         v = torch.cat([piece[1] for piece in pieces], dim=1)
         gathered = time.perf_counter()
         self._rope.rotate_(k, torch.cat(positions))
+        if self._key_scales is not None and any(scaled):
+            rows = torch.tensor(scaled).repeat_interleave(
+                torch.tensor([piece[0].shape[1] for piece in pieces]))
+            k.mul_(key_factor(self._key_scales, rows))
         rotated = time.perf_counter()
         slot_mapping = torch.cat(slots)
         for index, layer in self._attention_layers(forward_context):
@@ -270,9 +285,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         KV_METRICS.stage_seconds.labels("rope").observe(rotated - gathered)
         KV_METRICS.stage_seconds.labels("cache_write").observe(time.perf_counter() - rotated)
 
-    def _pieces(self, spec: LoadSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(K, V) views of the segments' blobs covering positions [start, end), each
-        [layers, tokens, heads, dim], checked against the plan and the serving layout."""
+    def _pieces(self, spec: LoadSpec) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+        """(K, V, segment name): views of the segments' blobs covering positions [start, end),
+        each [layers, tokens, heads, dim], checked against the plan and the serving layout."""
         pieces = []
         segments = [segment for segment in spec.segments if segment.end > spec.start]
         blobs = self._store.load_many([s.name for s in segments],  # misses concurrently
@@ -285,7 +300,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                 raise ValueError(f"blob {segment.name} is {blob.k.dtype} {tuple(blob.k.shape)},"
                                  f" not the serving model's layout")
             skip = max(0, spec.start - segment.start)
-            pieces.append((blob.k[:, skip:], blob.v[:, skip:]))
+            pieces.append((blob.k[:, skip:], blob.v[:, skip:], segment.name))
         if sum(piece[0].shape[1] for piece in pieces) != spec.end - spec.start:
             raise ValueError("the plan's segments do not cover the claimed positions")
         return pieces

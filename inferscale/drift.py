@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from inferscale.encoder import EncodeItem, FactEncoder
+from inferscale.key_scales import key_factor
 from inferscale.rope import ChunkedRope
 
 Context = tuple[int, ...]  # memory indices, in the order they precede the fact
@@ -78,15 +79,21 @@ class Memory:
         return tuple(self.nearest(self.vectors[fact], pool, skip + w)[skip:][::-1])
 
 
+SCALED = "+scales"  # strategy suffix: the facts' keys are scaled by the key scales
+
+
 class Strategy:
-    """Contexts a fact is encoded after (averaged when several), given its serving prefix, and
-    the memory positions recomputed after injection (``recompute``, empty by default)."""
+    """Contexts a fact is encoded after (averaged when several), given its serving prefix, the
+    memory positions recomputed after injection (``recompute``, empty by default) and whether
+    the facts' keys are scaled by the key scales (``scaled``)."""
 
     def __init__(self, name: str, contexts: Callable[[int, Context], list[Context]],
-                 recompute: str = ""):
+                 recompute: str = "", scaled: bool = False):
+        name += SCALED if scaled else ""
         self.name = f"{name}/{recompute}" if recompute else name
         self.contexts = contexts
         self.recompute = recompute
+        self.scaled = scaled
 
 
 def _coret(memory: Memory, fact: int, w: int, k: int) -> Context:
@@ -127,11 +134,14 @@ def _select(memory: Memory, fact: int, prefix: Context, candidates: list[Context
 
 
 def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int = 0) -> Strategy:
-    """A strategy from ``name``, ``name@w`` or either with ``/<selector>``; a ``-pos0`` suffix
-    gives the fact served first (right after the preamble) its preamble-only encoding instead."""
+    """A strategy from ``name``, ``name@w``, either with ``+scales`` (key scales) and/or
+    ``/<selector>``; a ``-pos0`` suffix gives the fact served first (right after the preamble)
+    its preamble-only encoding instead."""
     spec, _, recompute = spec.partition("/")
     if recompute:
         parse_selector(recompute)
+    scaled = spec.endswith(SCALED)
+    spec = spec.removesuffix(SCALED)
     name, _, window = spec.partition("@")
     w = int(window) if window else default_w
     label = name if name in ("oracle", "none") else f"{name}@{w}"
@@ -180,8 +190,8 @@ def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int =
                          "(each also with -pos0)")
     contexts = table[base]
     if base != name:  # the first fact served gets its preamble-only encoding (exact there)
-        return Strategy(label, lambda f, p: contexts(f, p) if p else [()], recompute)
-    return Strategy(label, contexts, recompute)
+        return Strategy(label, lambda f, p: contexts(f, p) if p else [()], recompute, scaled)
+    return Strategy(label, contexts, recompute, scaled)
 
 
 SELECTORS = ("first", "blend", "random")
@@ -350,23 +360,39 @@ def memory_kv(preamble: KV, facts: list[KV]) -> KV:
             torch.cat([preamble[1], *(f[1] for f in facts)], dim=1))
 
 
-@torch.inference_mode()
-def injected(encoder: FactEncoder, rope: ChunkedRope, memory: KV, prompt: Prompt, n: int,
-             recompute: Sequence[int] = ()) -> tuple[torch.Tensor, list[int]]:
-    """Inject the memory's K/V (``memory_kv``, rotated to their serving positions), prefill
-    the memory positions in ``recompute`` again (their injected entries masked out) and the
-    tokens after the memory: first-token log-probs and n greedy tokens."""
-    from transformers import DynamicCache
-
-    k, v = memory
+def served_keys(rope: ChunkedRope, memory: KV, prompt: Prompt,
+                key_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The memory's keys as the connector writes them: rotated to their serving positions,
+    the facts' (not the preamble's) scaled by ``key_scales`` [layers] where given."""
+    k = memory[0]
     if k.shape[1] != prompt.memory_end:
         raise ValueError("injected K/V do not cover the memory span")
     k = rope.rotate(k, torch.arange(prompt.memory_end))
-    cache = DynamicCache(
+    if key_scales is not None and prompt.spans:
+        facts = torch.arange(prompt.memory_end) >= prompt.spans[0][0]
+        k = k * key_factor(key_scales, facts)
+    return k
+
+
+def memory_cache(encoder: FactEncoder, k: torch.Tensor, v: torch.Tensor):
+    """An HF cache holding rotated keys ``k`` and values ``v`` [layers, tokens, heads, dim]."""
+    from transformers import DynamicCache
+
+    return DynamicCache(
         ddp_cache_data=[(k[layer].transpose(0, 1).unsqueeze(0).contiguous(),
                          v[layer].transpose(0, 1).unsqueeze(0).contiguous())
                         for layer in range(k.shape[0])],
         config=encoder.config)
+
+
+@torch.inference_mode()
+def injected(encoder: FactEncoder, rope: ChunkedRope, memory: KV, prompt: Prompt, n: int,
+             recompute: Sequence[int] = (), key_scales: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, list[int]]:
+    """Inject the memory's K/V (``memory_kv``, keys as ``served_keys`` makes them), prefill
+    the memory positions in ``recompute`` again (their injected entries masked out) and the
+    tokens after the memory: first-token log-probs and n greedy tokens."""
+    cache = memory_cache(encoder, served_keys(rope, memory, prompt, key_scales), memory[1])
     redo = torch.tensor(sorted(set(recompute)), dtype=torch.long)
     if redo.numel() and not (0 <= int(redo[0]) and int(redo[-1]) < prompt.memory_end):
         raise ValueError("recomputed positions must lie in the memory span")
@@ -421,9 +447,11 @@ def top20_kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
 def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.ndarray]],
             ks: Sequence[int], strategies: Sequence[str], w: int = 5, first_n: int = 4,
             seed: int = 0, log: Callable[[str], None] = print,
-            checkpoint: Callable[[dict], None] | None = None, order: str = "relevance") -> dict:
+            checkpoint: Callable[[dict], None] | None = None, order: str = "relevance",
+            key_scales: torch.Tensor | None = None) -> dict:
     """Every strategy at every k over the questions, facts served in ``order``; a summary and
-    per-question records (``checkpoint`` gets the partial result after each strategy)."""
+    per-question records (``checkpoint`` gets the partial result after each strategy).
+    ``key_scales`` [layers]: what ``+scales`` strategies scale the facts' keys by."""
     from inferscale.fidelity import bootstrap_mean_ci
 
     encoder.kv_dtype = torch.float32  # fp32 K/V: text and inject differ only by context
@@ -442,6 +470,8 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
             f"({statistics.mean(len(p.token_ids) for p in prompts):.0f} tokens on average) "
             f"in {time.perf_counter() - t0:.1f} s")
         jobs = [make_strategy(s, memory, w, k, seed) for s in strategies]
+        if key_scales is None and any(job.scaled for job in jobs):
+            raise ValueError(f"a {SCALED} strategy needs key scales")
         plans = [[[(f, job.contexts(f, tuple(p.order[:pos]))) for pos, f in enumerate(p.order)]
                   for p in prompts] for job in jobs]
         needs = [{(f, c) for plan in per_q for f, cs in plan for c in cs} for per_q in plans]
@@ -459,7 +489,8 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
                 enc.drop({key for key in keys if uses[key] == 0 and key not in later})
                 memory_span = memory_kv(preamble, facts)
                 redo = _recompute_positions(encoder, job, memory_span, prompt, seed)
-                got_log, got_tokens = injected(encoder, rope, memory_span, prompt, first_n, redo)
+                got_log, got_tokens = injected(encoder, rope, memory_span, prompt, first_n, redo,
+                                               key_scales if job.scaled else None)
                 fact_tokens = prompt.memory_end - len(preamble[0][0])
                 rows.append({"k": k, "strategy": job.name, "question": prompt.question,
                              "recomputed": len(redo),
@@ -500,13 +531,15 @@ def _result(summary: dict, records: list[dict], started: float) -> dict:
 
 def _paired(summary: dict, records: list[dict], ci) -> None:
     """Per k, each strategy's KL minus the default's (neighbours@5) per question, with CI; a
-    strategy with recompute also against the same encodings without it (``_base``)."""
+    strategy with recompute or key scales also against the same encodings without either
+    (``_base``)."""
     by = defaultdict(dict)
     for r in records:
         by[(r["k"], r["strategy"])][r["question"]] = r["kl"]
     for entry in summary.values():
         mine = by[(entry["k"], entry["strategy"])]
-        against = {"neighbours5": "neighbours@5", "base": entry["strategy"].partition("/")[0]}
+        against = {"neighbours5": "neighbours@5",
+                   "base": entry["strategy"].partition("/")[0].removesuffix(SCALED)}
         for label, other in against.items():
             base = by.get((entry["k"], other))
             if base and entry["strategy"] != other:
@@ -540,7 +573,8 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
     """Load the model, embedder and data; measure; print a table and write ``<name>.json``.
 
     ``anchor``: a layout variant where a fixed memory line follows the preamble (in text and
-    inject alike, encoded once with it), so no retrieved fact sits right after the preamble."""
+    inject alike, encoded once with it), so no retrieved fact sits right after the preamble.
+    ``+scales`` strategies use the key scales ``settings.key_scales`` selects."""
     from inferscale.bench.common import print_table, write_report
     from inferscale.embedder import load_embedder
     from inferscale.encoder import load_encoder
@@ -557,16 +591,27 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
     memory = Memory(facts, embedder.encode(facts),
                     [encoder.layout.fact_segment(f) for f in facts])
     query_vectors = [embedder.encode([q])[0] for q in asked]
+    scales = None
+    if any(spec.partition("/")[0].endswith(SCALED) for spec in strategies):
+        from inferscale.key_scales import resolve_key_scales
+        from inferscale.model_prep import resolve_model_path
+
+        scales = resolve_key_scales(settings.key_scales, resolve_model_path(settings),
+                                    encoder.config.num_hidden_layers)
+        if scales is None:
+            raise ValueError(f"{SCALED} strategies need key scales (INFERSCALE_KEY_SCALES)")
     report = {"data": str(data), "conversation": conversation, "max_turns": max_turns,
               "facts": len(facts), "questions": len(asked), "seed": seed, "ks": list(ks),
               "w": w, "strategies": list(strategies), "first_n": first_n, "threads": threads,
-              "dtype": "float32", "anchor": anchor, "order": order}
+              "dtype": "float32", "anchor": anchor, "order": order,
+              "key_scales": scales.source if scales else None}
 
     def save(partial: dict) -> None:
         write_report(out_dir, name, {**report, "complete": False, **partial})
 
     result = measure(encoder, memory, list(zip(asked, query_vectors, strict=True)), ks,
-                     strategies, w, first_n, seed, checkpoint=save, order=order)
+                     strategies, w, first_n, seed, checkpoint=save, order=order,
+                     key_scales=scales.tensor() if scales else None)
     rows = [[name, s["kl_mean"], s["first_token"], s[f"first_{first_n}"],
              s.get("kl_minus_neighbours5", ""), s.get("kl_minus_base", ""),
              s["recomputed_share"], s["encode_tokens"]]

@@ -16,10 +16,10 @@ import torch
 
 from inferscale.kvstore import KVStore
 from inferscale.layout import MemoryLayout
+from inferscale.plan import PREAMBLE
 from inferscale.settings import Settings
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-PREAMBLE = "preamble"  # blob name of the preamble's own KV, one per model
 
 
 class UnsupportedModel(ValueError):

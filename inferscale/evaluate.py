@@ -5,7 +5,8 @@ KV store) once per encoding. Then QA items of categories 1-4 are answered throug
 server, streamed, greedy, with logprobs: ``none``; ``text`` (top-k facts prefilled); ``inject``
 (the same facts, same order, as KV) per encoding (context ``turns``: the w preceding turns, or
 ``neighbours``: the w most similar earlier facts), per tail-recompute m and with or without the
-lead encoding for the first fact served (``--lead on off``), and with ``--oracle``
+lead encoding for the first fact served (``--lead on off``), with or without the key scales
+(``--key-scales on off``), and with ``--oracle``
 KV encoded with exactly its serving prefix (what is left is numerics). Per configuration: LoCoMo
 F1, agreement with text on generated token ids (first token, first 4, whole answer), mean KL of
 the first-token distributions, the F1 gap with a paired bootstrap interval, and TTFT.
@@ -39,7 +40,8 @@ TOP_LOGPROBS = 20
 @dataclass(frozen=True)
 class Config:
     """One way of answering: a memory mode, k, the encoding (context, window) of the user's KV,
-    facts recomputed, fact order, whether the first fact served uses its lead encoding."""
+    facts recomputed, fact order, whether the first fact served uses its lead encoding and
+    whether the facts' keys are scaled (the server's key scales, if it has any)."""
 
     mode: str
     k: int = 0
@@ -49,6 +51,7 @@ class Config:
     oracle: bool = False  # KV encoded with exactly its serving prefix (a diagnostic)
     context: str = "turns"
     lead: bool = True
+    key_scales: bool = True
 
     @property
     def name(self) -> str:
@@ -59,7 +62,8 @@ class Config:
             return f"text k={self.k} (user w={self.window}){order}"
         window = "oracle" if self.oracle else self.window
         lead = "" if self.lead else " no-lead"
-        return f"inject k={self.k} w={window} m={self.recompute}{order}{lead}"
+        scaled = "" if self.key_scales else " unscaled"
+        return f"inject k={self.k} w={window} m={self.recompute}{order}{lead}{scaled}"
 
     @property
     def encoding(self) -> tuple[str, int | None]:
@@ -76,18 +80,19 @@ class Config:
 
 
 def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[int],
-            order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,)
-            ) -> list[Config]:
-    """none, then per k: text per encoding (its own user), inject per encoding, recompute and
-    lead choice, and the oracle window after the first encoding's text."""
+            order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
+            key_scales: tuple[bool, ...] = (True,)) -> list[Config]:
+    """none, then per k: text per encoding (its own user), inject per encoding, recompute,
+    lead and key-scales choice, and the oracle window after the first encoding's text."""
     out = [Config("none")]
     for k in ks:
         for context, w in encodings:
             out.append(Config("text", k, w, order=order, context=context))
             if oracle and k and (context, w) == encodings[0]:
                 out.append(Config("inject", k, w, 0, order, oracle=True, context=context))
-            out += [Config("inject", k, w, m, order, context=context, lead=lead)
-                    for m in recomputes if m <= k for lead in leads]
+            out += [Config("inject", k, w, m, order, context=context, lead=lead,
+                           key_scales=scaled)
+                    for m in recomputes if m <= k for lead in leads for scaled in key_scales]
     return out
 
 
@@ -128,7 +133,7 @@ async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, 
     top logprobs, TTFT and the fact ids the server used, in prompt order."""
     got = await stream_chat(client, url, user, question, config.mode, config.k, max_tokens,
                             options={"recompute": config.recompute, "order": config.order,
-                                     "lead": config.lead},
+                                     "lead": config.lead, "key_scales": config.key_scales},
                             top_logprobs=TOP_LOGPROBS)
     return {"prediction": got.text, "token_ids": got.token_ids, "first_top": got.first_top,
             "ttft_s": got.ttft, "fact_ids": got.headers.get("x-inferscale-fact-ids", "")}
@@ -236,7 +241,8 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
         questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
         contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int, ...] = (0,),
         order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
-        max_tokens: int = 32, max_turns: int | None = None, seed: int = 0) -> dict:
+        max_tokens: int = 32, max_turns: int | None = None, seed: int = 0,
+        key_scales: tuple[bool, ...] = (True,)) -> dict:
     """Ingest, serve, answer and score; prints a table and writes JSON."""
     samples = json.loads(data.read_text())[:conversations]
     settings = prepare(settings)
@@ -246,14 +252,15 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
     items = [{**q, "users": {Config("none").encoding: users[encodings[0]][q["sample_id"]],
                              **{e: users[e][q["sample_id"]] for e in encodings}}}
              for q in pick_questions(samples, questions, seed)]
-    plan = configs(list(ks), encodings, list(recomputes), order, oracle, leads)
+    plan = configs(list(ks), encodings, list(recomputes), order, oracle, leads, key_scales)
     with server_process(settings, out_dir / "server.log") as url:
         records = asyncio.run(_ask_all(url, items, plan, max_tokens, settings))
     summary = summarize(records, plan)
     _print(summary)
     report = {"data": str(data), "questions": len(items), "ks": list(ks), "windows": list(windows),
               "contexts": list(contexts), "recomputes": list(recomputes), "order": order,
-              "leads": list(leads),
+              "leads": list(leads), "key_scales": list(key_scales),
+              "key_scales_setting": settings.key_scales,
               "max_tokens": max_tokens,
               "max_turns": max_turns, "encode_dtype": settings.encode_dtype,
               "extractor": settings.extractor, "summary": summary,

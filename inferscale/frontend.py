@@ -5,12 +5,14 @@ rewritten before vLLM sees it: the last user message is embedded, the owner's to
 retrieved, the prompt is composed with the memory layout and sent as token ids, with a signed
 injection plan for the encoded facts (``kv_transfer_params``) and a per-memory ``cache_salt``.
 Requests without an owner pass through untouched. Per request, ``"inferscale": {"mode": ...,
-"k": ..., "recompute": ..., "order": ..., "lead": ...}`` in the body (or ``X-InferScale-Memory``
-/ ``-K`` / ``-Recompute`` / ``-Order`` / ``-Lead`` headers) overrides the defaults; modes:
-``inject`` (default), ``text`` (same facts prefilled as text), ``none``; ``recompute``: the last
-m facts are prefilled after the injected ones; ``order``: ``relevance`` (best last) or ``time``
-(stored order); ``lead``: the first injected fact uses its lead encoding (after the preamble
-alone: exact there) where it has one.
+"k": ..., "recompute": ..., "order": ..., "lead": ..., "key_scales": ...}`` in the body (or
+``X-InferScale-Memory`` / ``-K`` / ``-Recompute`` / ``-Order`` / ``-Lead`` / ``-Key-Scales``
+headers) overrides the defaults; modes: ``inject`` (default), ``text`` (same facts prefilled
+as text), ``none``; ``recompute``: the last m facts are prefilled after the injected ones;
+``order``: ``relevance`` (best last) or ``time`` (stored order); ``lead``: the first injected
+fact uses its lead encoding (after the preamble alone: exact there) where it has one;
+``key_scales``: the connector applies its per-layer key scales to the injected facts
+(``key_scales.py``; a no-op where it has none).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from urllib.parse import unquote_to_bytes
 from inferscale.layout import PromptPlan
 from inferscale.metrics import FRONTEND_METRICS as M
 from inferscale.metrics import KV_METRICS
-from inferscale.plan import PLAN_KEY, Plan, Segment, lead_name, sign
+from inferscale.plan import PLAN_KEY, PREAMBLE, Plan, Segment, lead_name, sign
 from inferscale.settings import Settings, get_settings
 
 log = logging.getLogger("inferscale.frontend")
@@ -110,6 +112,7 @@ class MemoryOptions:
     recompute: int = 0
     order: str = "relevance"
     lead: bool = True  # the first injected fact uses its lead encoding, where it has one
+    key_scales: bool = True  # the connector applies its key scales to the injected facts
 
 
 def _int_option(name: str, raw: object) -> int:
@@ -147,9 +150,11 @@ def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
         raise FrontendError(400, f"unknown fact order; use one of {ORDERS}")
     lead = _bool_option("lead", options.get(
         "lead", headers.get("x-inferscale-lead", settings.lead_encoding)))
+    key_scales = _bool_option("key_scales", options.get(
+        "key_scales", headers.get("x-inferscale-key-scales", settings.key_scales != "off")))
     if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
         raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
-    return owner, MemoryOptions(mode, k, recompute, order, lead)
+    return owner, MemoryOptions(mode, k, recompute, order, lead, key_scales)
 
 
 def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
@@ -240,14 +245,14 @@ async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: li
         messages)
     plan = None
     if mode == "inject":
-        plan_segments = [Segment("preamble", 0, list(rt.layout.preamble_ids))]
+        plan_segments = [Segment(PREAMBLE, 0, list(rt.layout.preamble_ids))]
         plan_segments += [
             Segment(lead_name(f.id), start, list(f.token_ids), f.kv_lead_checksum)
             if i == 0 and options.lead and f.kv_lead_checksum else
             Segment(str(f.id), start, list(f.token_ids), f.kv_checksum)
             for i, (f, (start, _)) in enumerate(zip(injectable, prompt.fact_spans,
                                                     strict=False))]
-        plan = Plan(rt.fingerprint, plan_segments)
+        plan = Plan(rt.fingerprint, plan_segments, options.key_scales)
     injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
     KV_METRICS.stage_seconds.labels("compose").observe(time.perf_counter() - composing)
     fact_ids = [f.id for f in injectable + as_text]
@@ -458,14 +463,16 @@ class MemoryFrontend:
         prompt = await compose(rt, owner, options, messages, query)
         started = time.perf_counter()
         params: dict = {"prompt_token_ids": prompt.token_ids}
-        checksums = None
+        checksums = scaled = None
         if prompt.plan is not None:
             params[PLAN_KEY] = sign(prompt.plan, self.settings.plan_secret or "")
             checksums = [s.checksum for s in prompt.plan.segments]
-        # Every memory prompt is salted per owner (and memory version): no other user can probe
-        # or reuse its prefix-cache blocks.
+            scaled = prompt.plan.key_scales
+        # Every memory prompt is salted per owner (and memory version, and whether its keys are
+        # scaled): no other user or variant can probe or reuse its prefix-cache blocks.
         digest = hashlib.sha256(json.dumps(
-            [owner, rt.fingerprint, checksums, data.get("cache_salt")]).encode()).hexdigest()
+            [owner, rt.fingerprint, checksums, scaled, data.get("cache_salt")]).encode()
+        ).hexdigest()
         data["cache_salt"] = f"inferscale-{digest[:32]}"
         data["kv_transfer_params"] = params
         M.requests.labels(options.mode).inc()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 PLAN_KEY = "inferscale"
 LEAD = ".lead"  # blob name suffix of a fact's lead encoding
+PREAMBLE = "preamble"  # blob and segment name of the preamble's own KV, one per model
 
 
 def lead_name(fact_id: int | str) -> str:
@@ -43,10 +44,12 @@ class Segment:
 
 @dataclass(frozen=True)
 class Plan:
-    """Contiguous segments from position 0: the preamble, then injected facts."""
+    """Contiguous segments from position 0: the preamble, then injected facts; ``key_scales``:
+    the connector scales the facts' keys by its per-layer key scales (``key_scales.py``)."""
 
     fingerprint: str
     segments: list[Segment]
+    key_scales: bool = False
 
     @property
     def end(self) -> int:
@@ -67,7 +70,8 @@ def _mac(body: dict, secret: str) -> str:
 
 def sign(plan: Plan, secret: str) -> dict:
     """The plan as a JSON-able dict with its signature."""
-    body = {"fingerprint": plan.fingerprint,  # (dataclasses.asdict deep-copies every id list)
+    body = {"fingerprint": plan.fingerprint, "key_scales": plan.key_scales,
+            # (dataclasses.asdict deep-copies every id list)
             "segments": [{"name": s.name, "start": s.start, "token_ids": s.token_ids,
                           "checksum": s.checksum} for s in plan.segments]}
     return {**body, "sig": _mac(body, secret)}
@@ -98,8 +102,11 @@ def verify(data: object, secret: str) -> Plan:
     if not hmac.compare_digest(data["sig"].encode("utf-8", "surrogatepass"), mac.encode()):
         raise PlanError("bad plan signature")
     fingerprint, segments = body.get("fingerprint"), body.get("segments")
-    if not isinstance(fingerprint, str) or not isinstance(segments, list):
-        raise PlanError("malformed plan: fingerprint/segments")
-    plan = Plan(fingerprint=fingerprint, segments=[_segment(s) for s in segments])
+    key_scales = body.get("key_scales", False)
+    if not isinstance(fingerprint, str) or not isinstance(segments, list) or not isinstance(
+            key_scales, bool):
+        raise PlanError("malformed plan: fingerprint/segments/key_scales")
+    plan = Plan(fingerprint=fingerprint, segments=[_segment(s) for s in segments],
+                key_scales=key_scales)
     plan.check_layout()
     return plan

@@ -29,9 +29,10 @@ KV_TRANSFER_CONFIG = {
 
 def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
     """The preamble blob must exist before the first injected request; encode it if missing."""
-    from inferscale.encoder import PREAMBLE, ensure_preamble, load_encoder
+    from inferscale.encoder import ensure_preamble, load_encoder
     from inferscale.fingerprint import model_fingerprint
     from inferscale.kvstore import KVStore
+    from inferscale.plan import PREAMBLE
 
     store = KVStore.from_settings(settings, model_fingerprint(model_path), host_bytes=0)
     if not store.exists(PREAMBLE):
@@ -58,6 +59,8 @@ def api_keys_in(vllm_args: list[str]) -> list[str]:
 def server_command(settings: Settings, extra_args: list[str] | None = None
                    ) -> tuple[list[str], dict[str, str]]:
     """The vLLM server command line and environment for these settings."""
+    from inferscale.key_scales import resolve_for_server
+
     model_path = resolve_model_path(settings)
     metrics_dir = settings.data_dir / "prometheus" / str(settings.server_port)
     shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -71,6 +74,7 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
         "kafka_bootstrap": bootstrap,
         "database_url": resolve_database_url(settings), "model_path": model_path,
         "kv_dir": settings.kv_path, "plan_secret": settings.plan_secret or secrets.token_hex(32),
+        "key_scales": resolve_for_server(settings.key_scales, model_path),
         "vllm_api_keys": settings.vllm_api_keys or api_keys_in(extra_args)})
     if not (child.api_keys or child.anonymous_memory):
         log.warning("no INFERSCALE_API_KEYS on %s: memory requests will be refused (401); set "

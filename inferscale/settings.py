@@ -123,6 +123,10 @@ class Settings(BaseSettings):
     # the server injects it for the fact it serves first (right after the preamble, where that
     # encoding is exact) unless a request says "lead": false. Twice the KV bytes per fact.
     lead_encoding: bool = True
+    # Key scales (``key_scales.py``): a per-layer temperature for the attention paid to injected
+    # facts, fitted by ``inferscale calibrate``. "auto": the file shipped for the served model
+    # (none: no scaling), "off", or the path of a scales file.
+    key_scales: str = Field(default="auto", min_length=1)
     encode_batch_size: int = 8
     encode_max_attempts: int = 3  # storage failures (disk full, ...) are retried without limit
     encode_retry_base_s: float = 5.0  # a failed fact waits base * 2**attempts (capped) to retry

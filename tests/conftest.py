@@ -183,7 +183,7 @@ class Server:
 
     def chat(self, user: str | None, question: str, mode: str | None = None, k: int | None = None,
              max_tokens: int = 24, headers: dict | None = None, recompute: object = None,
-             order: object = None, lead: object = None, **extra):
+             order: object = None, lead: object = None, key_scales: object = None, **extra):
         import httpx
 
         body = {"model": "inferscale", "messages": [{"role": "user", "content": question}],
@@ -191,7 +191,8 @@ class Server:
         if user is not None:
             body["user"] = user
         options = {key: v for key, v in (("mode", mode), ("k", k), ("recompute", recompute),
-                                         ("order", order), ("lead", lead)) if v is not None}
+                                         ("order", order), ("lead", lead),
+                                         ("key_scales", key_scales)) if v is not None}
         if options:
             body["inferscale"] = options
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers or {},

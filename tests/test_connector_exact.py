@@ -3,9 +3,12 @@
 One fact, encoded after exactly the prefix it is served after (window 0, k = 1): injected KV
 must reproduce text prefill's greedy tokens and top logprobs within 1e-4. A poisoned blob (valid
 checksum, wrong values) must not: that shows the comparison can fail. A fact encoded after
-another one is exact when served first only through its lead encoding.
+another one is exact when served first only through its lead encoding. The server has key
+scales (0.5 per layer): requests that ask for them move away from text prefill, the others
+stay exact.
 """
 
+import json
 import uuid
 
 import pytest
@@ -20,14 +23,17 @@ from inferscale.fingerprint import model_fingerprint
 from inferscale.kvstore import KVStore
 
 pytestmark = pytest.mark.slow
+KEY_SCALE = 0.5
 
 
 @pytest.fixture(scope="module")
 def tiny_served(base_settings, tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("exact")
+    scales = root / "key-scales.json"
+    scales.write_text(json.dumps({"model": "llama", "scales": [KEY_SCALE] * 3}))
     settings = base_settings.model_copy(update={
         "model_path": tiny_models["llama"], "kv_dir": root / "kv", "data_dir": root,
-        "window": 0, "top_k": 1})
+        "window": 0, "top_k": 1, "key_scales": str(scales)})
     with running_server(settings, root / "server.log",
                         ["--enforce-eager", "--dtype", "float32", "--max-model-len",
                          "2048"]) as server:
@@ -68,7 +74,7 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
     user = await _user(tiny_served, settings, engine, embedder, encoder, store,
                        "I am a marine biologist at the city aquarium.")
-    injected = tiny_served.chat(user, question, k=1, **kwargs)
+    injected = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
     assert injected.headers["x-inferscale-facts-injected"] == "1"
     assert injected.json()["kv_transfer_params"]["injected_tokens"] == int(
         injected.headers["x-inferscale-injected-tokens"]) > len(encoder.layout.preamble_ids)
@@ -89,7 +95,7 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     async with engine.begin() as conn:
         await conn.execute(facts.update().where(facts.c.id == fact_id).values(
             kv_checksum=stored.checksum))
-    bad = tiny_served.chat(poisoned, question, k=1, **kwargs)
+    bad = tiny_served.chat(poisoned, question, k=1, key_scales=False, **kwargs)
     _, logprobs_bad = _tokens_and_logprobs(bad)
     assert _max_diff(logprobs_bad, logprobs_t) > 1e-2
 
@@ -110,8 +116,8 @@ async def test_the_fact_served_first_is_exact_through_its_lead_encoding(
     assert rows[0].kv_lead_checksum is None  # encoded after the preamble alone already
     assert rows[1].kv_lead_checksum is not None
     text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
-    lead = tiny_served.chat(user, question, k=1, **kwargs)
-    no_lead = tiny_served.chat(user, question, k=1, lead=False, **kwargs)
+    lead = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    no_lead = tiny_served.chat(user, question, k=1, lead=False, key_scales=False, **kwargs)
     for response in (text, lead, no_lead):
         assert response.headers["x-inferscale-fact-ids"] == str(rows[1].id), response.text
     assert lead.headers["x-inferscale-facts-injected"] == "1"
@@ -121,3 +127,22 @@ async def test_the_fact_served_first_is_exact_through_its_lead_encoding(
     assert _max_diff(logprobs_lead, logprobs_t) < 1e-4
     # Control: the fact's own encoding (after the other fact) is measurably off here.
     assert _max_diff(_tokens_and_logprobs(no_lead)[1], logprobs_t) > 1e-3
+
+
+async def test_key_scales_apply_to_the_facts_of_requests_that_ask(tiny_served, settings,
+                                                                  tiny_models, engine, embedder):
+    encoder, store = _encoder_and_store(tiny_served, tiny_models)
+    question = "Where does Sam work?"
+    kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
+    user = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                       "I work at the city aquarium as a diver.")
+    text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
+    scaled = tiny_served.chat(user, question, k=1, **kwargs)  # the server's default: scaled
+    unscaled = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    assert scaled.headers["x-inferscale-facts-injected"] == "1"
+    _, logprobs_t = _tokens_and_logprobs(text)
+    assert _max_diff(_tokens_and_logprobs(unscaled)[1], logprobs_t) < 1e-4
+    # the fact's keys at half their size: the question attends to it differently
+    assert _max_diff(_tokens_and_logprobs(scaled)[1], logprobs_t) > 1e-3
+    again = tiny_served.chat(user, question, k=1, **kwargs)  # its own prefix-cache blocks
+    assert _max_diff(_tokens_and_logprobs(again)[1], _tokens_and_logprobs(scaled)[1]) < 1e-4

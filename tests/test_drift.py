@@ -119,3 +119,40 @@ def test_time_order_serves_the_same_facts_in_stored_order(tiny_models):
         relevance = memory.served(query, 4)
         assert memory.nearest(query, range(len(SAID)), 1) == relevance[-1:]  # best last
         assert memory.served(query, 4, "time") == sorted(relevance)
+
+
+def test_scaled_strategies_scale_the_facts_keys_only(tiny_models):
+    from inferscale.drift import compose, served_keys
+    from inferscale.rope import ChunkedRope
+
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    memory = _memory(encoder)
+    questions = _questions(3)
+    specs = ["neighbours@2", "neighbours@2+scales"]
+    with pytest.raises(ValueError, match="key scales"):
+        measure(encoder, memory, questions, ks=[4], strategies=specs, w=2, log=lambda _: None)
+
+    def kls(scale: float) -> tuple[list[float], list[float]]:
+        result = measure(encoder, memory, questions, ks=[4], strategies=specs, w=2,
+                         log=lambda _: None, key_scales=torch.full((3,), scale))
+        rows = result["records"]
+        assert result["summary"]["neighbours@2+scales k=4"]["strategy"] == specs[1]
+        return ([r["kl"] for r in rows if r["strategy"] == specs[0]],
+                [r["kl"] for r in rows if r["strategy"] == specs[1]])
+
+    plain, ones = kls(1.0)
+    assert ones == plain
+    plain_again, halved = kls(0.5)
+    assert plain_again == plain
+    assert all(abs(a - b) > 1e-6 for a, b in zip(halved, plain, strict=True))
+    # the rule itself: fact rows scaled per layer, the preamble's untouched
+    prompt = compose(encoder, memory, *questions[0], k=3)
+    preamble = len(encoder.layout.preamble_ids)
+    span = (torch.randn(3, prompt.memory_end, 2, 64), torch.randn(3, prompt.memory_end, 2, 64))
+    rope = ChunkedRope(encoder.config, torch.float32)
+    keys = served_keys(rope, span, prompt)
+    scaled = served_keys(rope, span, prompt, torch.tensor([0.5, 1.0, 2.0]))
+    assert prompt.spans[0][0] == preamble
+    assert torch.equal(scaled[:, :preamble], keys[:, :preamble])
+    for layer, scale in enumerate((0.5, 1.0, 2.0)):
+        assert torch.allclose(scaled[layer, preamble:], keys[layer, preamble:] * scale)

@@ -31,11 +31,22 @@ def _signed_body(body: object) -> dict:
 def test_signed_plan_round_trips_and_any_tampering_is_refused():
     signed = sign(_plan(), SECRET)
     assert verify(json.loads(json.dumps(signed)), SECRET) == _plan()
-    for key, value in (("fingerprint", "0" * 64), ("segments", []), ("sig", "0" * 64)):
+    for key, value in (("fingerprint", "0" * 64), ("segments", []), ("sig", "0" * 64),
+                       ("key_scales", True)):
         with pytest.raises(PlanError):
             verify({**signed, key: value}, SECRET)
     with pytest.raises(PlanError):
         verify(signed, "another secret")
+
+
+def test_key_scales_flag_is_signed_and_must_be_a_bool():
+    scaled = Plan("f" * 64, _plan().segments, key_scales=True)
+    assert verify(sign(scaled, SECRET), SECRET).key_scales is True
+    body = {k: v for k, v in sign(_plan(), SECRET).items() if k not in ("sig", "key_scales")}
+    assert verify(_signed_body(body), SECRET).key_scales is False  # absent: not scaled
+    for value in (1, "true", None, [True]):
+        with pytest.raises(PlanError, match="key_scales"):
+            verify(_signed_body({**body, "key_scales": value}), SECRET)
 
 
 @FUZZ
@@ -55,14 +66,15 @@ segment_like = st.fixed_dictionaries({}, optional={
 
 @FUZZ
 @given(body=st.fixed_dictionaries({}, optional={
-    "fingerprint": json_values, "segments": json_values | st.lists(segment_like, max_size=4)}))
+    "fingerprint": json_values, "segments": json_values | st.lists(segment_like, max_size=4),
+    "key_scales": json_values | st.booleans()}))
 def test_signed_malformed_plans_raise_plan_error_or_parse_typed(body):
     tried("plan verifier")
     try:
         plan = verify(_signed_body(body), SECRET)
     except PlanError:
         return
-    assert isinstance(plan.fingerprint, str)
+    assert isinstance(plan.fingerprint, str) and isinstance(plan.key_scales, bool)
     for segment in plan.segments:
         assert isinstance(segment.name, str) and type(segment.start) is int
         assert all(type(t) is int for t in segment.token_ids)

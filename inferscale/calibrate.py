@@ -1,0 +1,168 @@
+"""`inferscale calibrate`: fit the served model's key scales (``key_scales.py``), offline.
+
+For questions of LoCoMo-format conversations (keep the ones you evaluate on out), the served
+prompt at k is composed as the front end composes it, text prefill gives the first-token
+distribution, and the facts' default encodings (after their w nearest earlier facts; the fact
+served first after the preamble alone) are injected as the connector injects them, keys scaled
+per layer. One log-scale per layer is fitted with Adam to the mean KL(text || inject) of the
+first token. A fifth of the questions is held out: the scales of the epoch with the lowest
+held-out KL are kept, starting from no scaling, so the file never does worse there than none.
+One HF model in fp32 does everything (as ``eval drift``); K/V are kept in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inferscale import drift
+from inferscale.key_scales import key_factor, parse_key_scales
+from inferscale.rope import ChunkedRope
+
+
+@dataclass
+class Example:
+    """One question's served prompt, text prefill's first-token log-probs and the memory's
+    rotated, unscaled K/V [layers, tokens, heads, dim] as injection serves them."""
+
+    prompt: drift.Prompt
+    text_log: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    facts: torch.Tensor  # bool per memory token: an injected fact's (scaled), not the preamble's
+
+
+def first_token_log(encoder, example: Example, scales: torch.Tensor) -> torch.Tensor:
+    """Inject ``example``'s memory with fact keys scaled by ``scales`` [layers], prefill the
+    rest of the prompt: first-token log-probs (differentiable in ``scales``)."""
+    prompt = example.prompt
+    k = example.k.float() * key_factor(scales, example.facts)
+    cache = drift.memory_cache(encoder, k, example.v.float())
+    ids = torch.tensor(prompt.token_ids[prompt.memory_end:])
+    out = encoder.model(input_ids=ids[None], past_key_values=cache,
+                        position_ids=torch.arange(prompt.memory_end, len(prompt.token_ids))[None],
+                        use_cache=True, logits_to_keep=1)
+    return torch.log_softmax(out.logits[0, -1].float(), -1)
+
+
+def kl_loss(encoder, example: Example, scales: torch.Tensor) -> torch.Tensor:
+    """KL(text || inject) of the first token, in nats."""
+    p_log = example.text_log
+    return (p_log.exp() * (p_log - first_token_log(encoder, example, scales))).sum()
+
+
+def mean_kl(encoder, examples: Sequence[Example], scales: torch.Tensor) -> float:
+    with torch.no_grad():
+        return statistics.mean(float(kl_loss(encoder, e, scales)) for e in examples)
+
+
+def examples_for(encoder, embedder, facts: list[str], questions: list[str], k: int, w: int,
+                 kv_dtype: torch.dtype) -> list[Example]:
+    """The examples of one conversation's questions over its facts."""
+    memory = drift.Memory(facts, embedder.encode(facts),
+                          [encoder.layout.fact_segment(f) for f in facts])
+    rope = ChunkedRope(encoder.config, torch.float32)
+    preamble_span = encoder.encode_preamble()
+    preamble = (preamble_span.k, preamble_span.v)
+    encodings = drift.Encodings(encoder, memory)
+    strategy = drift.make_strategy(f"neighbours-pos0@{w}", memory, w, k)
+    examples = []
+    for question in questions:
+        prompt = drift.compose(encoder, memory, question, embedder.encode([question])[0], k)
+        text_log, _ = drift.text_reference(encoder, prompt, 1)
+        plan = [(f, strategy.contexts(f, tuple(prompt.order[:pos])))
+                for pos, f in enumerate(prompt.order)]
+        encodings.ensure({(f, c) for f, cs in plan for c in cs})
+        span = drift.memory_kv(preamble, [encodings.combined(f, cs) for f, cs in plan])
+        keys = drift.served_keys(rope, span, prompt)
+        facts_mask = torch.arange(prompt.memory_end) >= (
+            prompt.spans[0][0] if prompt.spans else prompt.memory_end)
+        examples.append(Example(prompt, text_log.float(), keys.to(kv_dtype),
+                                span[1].to(kv_dtype), facts_mask))
+    return examples
+
+
+def fit(encoder, train: Sequence[Example], held_out: Sequence[Example], epochs: int,
+        lr: float, seed: int = 0, log: Callable[[str], None] = print) -> dict:
+    """Adam on per-layer log-scales; the scales of the best held-out epoch (epoch 0: none)."""
+    layers = encoder.config.num_hidden_layers
+    log_scales = torch.zeros(layers, requires_grad=True)
+    optimizer = torch.optim.Adam([log_scales], lr=lr)
+    order = list(train)
+    rng = random.Random(seed)
+    none = mean_kl(encoder, held_out, torch.ones(layers))
+    best = {"epoch": 0, "held_out_kl": none, "scales": [1.0] * layers}
+    history = [{"epoch": 0, "train_kl": mean_kl(encoder, train, torch.ones(layers)),
+                "held_out_kl": none}]
+    log(f"epoch 0 (no scaling): train KL {history[0]['train_kl']:.4f}, held out {none:.4f}")
+    for epoch in range(1, epochs + 1):
+        rng.shuffle(order)
+        for example in order:
+            optimizer.zero_grad()
+            kl_loss(encoder, example, log_scales.exp()).backward()
+            optimizer.step()
+        scales = log_scales.detach().exp()
+        row = {"epoch": epoch, "train_kl": mean_kl(encoder, train, scales),
+               "held_out_kl": mean_kl(encoder, held_out, scales)}
+        history.append(row)
+        log(f"epoch {epoch}: train KL {row['train_kl']:.4f}, held out {row['held_out_kl']:.4f}")
+        if row["held_out_kl"] < best["held_out_kl"]:
+            best = {"epoch": epoch, "held_out_kl": row["held_out_kl"],
+                    "scales": [round(float(s), 4) for s in scales]}
+    return {**best, "held_out_kl_unscaled": none, "history": history}
+
+
+def run(settings, data: Path, out: Path | None, conversations: Sequence[int] = (1, 2),
+        questions: int = 40, k: int = 50, max_turns: int | None = 150, epochs: int = 4,
+        lr: float = 0.02, seed: int = 1, threads: int = 2) -> Path:
+    """Fit and write the scales file (default ``<data_dir>/key_scales/<model folder>.json``,
+    ready for ``INFERSCALE_KEY_SCALES``); returns its path."""
+    from inferscale.embedder import load_embedder
+    from inferscale.encoder import load_encoder
+    from inferscale.fingerprint import model_fingerprint
+    from inferscale.model_prep import resolve_model_path
+
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    model_dir = resolve_model_path(settings)
+    encoder = load_encoder(settings.model_copy(update={"device": "cpu",
+                                                       "encode_dtype": "float32"}))
+    kv_dtype = encoder.kv_dtype
+    encoder.kv_dtype = torch.float32
+    for parameter in encoder.model.parameters():
+        parameter.requires_grad_(False)
+    embedder = load_embedder(settings)
+    examples: list[Example] = []
+    for conversation in conversations:
+        facts, asked = drift.load_locomo(data, conversation, max_turns, questions, seed)
+        examples += examples_for(encoder, embedder, facts, asked, k, settings.window, kv_dtype)
+        print(f"conversation {conversation}: {len(asked)} questions over {len(facts)} facts "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+    if len(examples) < 2:
+        raise ValueError("calibration needs at least 2 questions (one is held out)")
+    random.Random(seed).shuffle(examples)
+    held = max(1, len(examples) // 5)
+    result = fit(encoder, examples[held:], examples[:held], epochs, lr, seed)
+    report = {"model": model_dir.name, "fingerprint": model_fingerprint(model_dir),
+              "scales": result["scales"],
+              "fit": {"data": str(data), "conversations": list(conversations),
+                      "questions": len(examples), "held_out": held, "k": k,
+                      "window": settings.window, "max_turns": max_turns, "epochs": epochs,
+                      "lr": lr, "seed": seed, "kept_epoch": result["epoch"],
+                      "held_out_kl_unscaled": result["held_out_kl_unscaled"],
+                      "held_out_kl": result["held_out_kl"], "history": result["history"],
+                      "seconds": round(time.perf_counter() - started, 1)}}
+    parse_key_scales(report, encoder.config.num_hidden_layers, "the fitted scales")
+    out = out or settings.data_dir / "key_scales" / f"{model_dir.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"kept epoch {result['epoch']}: held-out KL {result['held_out_kl_unscaled']:.4f} -> "
+          f"{result['held_out_kl']:.4f}; wrote {out}")
+    return out

@@ -1,0 +1,45 @@
+"""`inferscale calibrate` on a seeded tiny model and the shipped sample conversation."""
+
+import dataclasses
+import json
+
+import torch
+
+from inferscale import calibrate
+from inferscale.demo import SAMPLE
+from inferscale.drift import load_locomo
+from inferscale.encoder import FactEncoder
+from inferscale.key_scales import load_key_scales
+from inferscale.settings import Settings
+
+
+def test_fit_recovers_known_scales(tiny_models, embedder):
+    """Targets made by injecting with every fact key at 0.6 of its size: the fit moves the
+    scales toward 0.6 and most of the KL goes."""
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    for parameter in encoder.model.parameters():
+        parameter.requires_grad_(False)
+    facts, questions = load_locomo(SAMPLE, 0, 12, 6, seed=1)
+    examples = calibrate.examples_for(encoder, embedder, facts, questions, k=3, w=2,
+                                      kv_dtype=torch.float32)
+    target = torch.full((3,), 0.6)
+    with torch.no_grad():
+        examples = [dataclasses.replace(e, text_log=calibrate.first_token_log(encoder, e, target))
+                    for e in examples]
+    result = calibrate.fit(encoder, examples[1:], examples[:1], epochs=8, lr=0.1,
+                           log=lambda _: None)
+    history = result["history"]
+    assert history[-1]["train_kl"] < history[0]["train_kl"] / 4
+    assert result["held_out_kl"] < result["held_out_kl_unscaled"]
+    assert all(scale < 0.9 for scale in result["scales"])
+
+
+def test_calibrate_writes_a_file_the_server_can_use(tiny_models, tmp_path):
+    settings = Settings(data_dir=tmp_path, model_path=tiny_models["llama"], window=2)
+    out = calibrate.run(settings, SAMPLE, tmp_path / "scales.json", conversations=(0,),
+                        questions=5, k=3, max_turns=12, epochs=1, threads=1)
+    raw = json.loads(out.read_text())
+    assert raw["model"] == "llama" and len(raw["fit"]["history"]) == 2
+    # the kept scales never do worse on the held-out questions than no scaling
+    assert raw["fit"]["held_out_kl"] <= raw["fit"]["held_out_kl_unscaled"]
+    assert len(load_key_scales(out, 3).scales) == 3
