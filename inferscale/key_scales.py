@@ -61,10 +61,14 @@ def parse_key_scales(raw: object, layers: int, source: str) -> KeyScales:
 
 def load_key_scales(path: Path, layers: int) -> KeyScales:
     """Read and validate a scales file."""
+    if not path.is_file():  # missing, a directory, a FIFO or a device such as /dev/zero
+        raise KeyScalesError(f"key scales {path}: not a regular file")
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise KeyScalesError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise KeyScalesError(f"key scales {path}: larger than {MAX_FILE_BYTES} bytes")
+        raw = json.loads(data.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         if isinstance(exc, KeyScalesError):
             raise

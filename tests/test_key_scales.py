@@ -1,6 +1,7 @@
 """Key scales: the file format, the setting, hostile files, and the scaling rule."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,8 +62,9 @@ def test_unreadable_files_raise_key_scales_error(tmp_path):
             path.write_bytes(content)
         with pytest.raises(KeyScalesError):
             load_key_scales(path, 3)
-    with pytest.raises(KeyScalesError):
-        load_key_scales(tmp_path, 3)  # a directory
+    for special in (tmp_path, Path("/dev/zero")):  # a directory, an endless device
+        with pytest.raises(KeyScalesError, match="not a regular file"):
+            load_key_scales(special, 3)
 
 
 def test_the_setting_selects_shipped_off_or_a_file(tmp_path, smollm2_dir):
