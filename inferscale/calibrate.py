@@ -1,7 +1,8 @@
 """`inferscale calibrate`: fit the served model's key scales (``key_scales.py``), offline.
 
-For questions of LoCoMo-format conversations (keep the ones you evaluate on out), the served
-prompt at k is composed as the front end composes it, text prefill gives the first-token
+For questions of LoCoMo-format conversations (keep the ones you evaluate on out), at each k
+(one fitted point of the scales file per k) the served prompt is composed as the front end
+composes it, text prefill gives the first-token
 distribution, and the facts' default encodings (after their w nearest earlier facts; the fact
 served first after the preamble alone) are injected as the connector injects them, keys scaled
 per layer. One log-scale per layer is fitted with Adam to the mean KL(text || inject) of the
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from inferscale import drift
-from inferscale.key_scales import key_factor, parse_key_scales
+from inferscale.key_scales import key_factor, load_key_scales, parse_key_scales
 from inferscale.rope import ChunkedRope
 
 
@@ -36,14 +37,20 @@ class Example:
     text_log: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    facts: torch.Tensor  # bool per memory token: an injected fact's (scaled), not the preamble's
+
+    @property
+    def runs(self) -> tuple[int, int]:
+        """(preamble tokens, fact tokens) of the memory span."""
+        start = self.prompt.spans[0][0] if self.prompt.spans else self.prompt.memory_end
+        return start, self.prompt.memory_end - start
 
 
 def first_token_log(encoder, example: Example, scales: torch.Tensor) -> torch.Tensor:
     """Inject ``example``'s memory with fact keys scaled by ``scales`` [layers], prefill the
     rest of the prompt: first-token log-probs (differentiable in ``scales``)."""
     prompt = example.prompt
-    k = example.k.float() * key_factor(scales, example.facts)
+    preamble, facts = example.runs
+    k = example.k.float() * key_factor([(None, preamble), (scales, facts)], len(scales))
     cache = drift.memory_cache(encoder, k, example.v.float())
     ids = torch.tensor(prompt.token_ids[prompt.memory_end:])
     out = encoder.model(input_ids=ids[None], past_key_values=cache,
@@ -63,30 +70,30 @@ def mean_kl(encoder, examples: Sequence[Example], scales: torch.Tensor) -> float
         return statistics.mean(float(kl_loss(encoder, e, scales)) for e in examples)
 
 
-def examples_for(encoder, embedder, facts: list[str], questions: list[str], k: int, w: int,
-                 kv_dtype: torch.dtype) -> list[Example]:
-    """The examples of one conversation's questions over its facts."""
+def examples_for(encoder, embedder, facts: list[str], questions: list[str], ks: Sequence[int],
+                 w: int, kv_dtype: torch.dtype) -> dict[int, list[Example]]:
+    """Per k, the examples of one conversation's questions over its facts."""
     memory = drift.Memory(facts, embedder.encode(facts),
                           [encoder.layout.fact_segment(f) for f in facts])
     rope = ChunkedRope(encoder.config, torch.float32)
     preamble_span = encoder.encode_preamble()
     preamble = (preamble_span.k, preamble_span.v)
-    encodings = drift.Encodings(encoder, memory)
+    encodings = drift.Encodings(encoder, memory)  # shared by every k
+    return {k: [_example(encoder, embedder, memory, encodings, rope, preamble, question, k, w,
+                         kv_dtype) for question in questions] for k in ks}
+
+
+def _example(encoder, embedder, memory, encodings, rope, preamble, question: str, k: int, w: int,
+             kv_dtype: torch.dtype) -> Example:
     strategy = drift.make_strategy(f"neighbours-pos0@{w}", memory, w, k)
-    examples = []
-    for question in questions:
-        prompt = drift.compose(encoder, memory, question, embedder.encode([question])[0], k)
-        text_log, _ = drift.text_reference(encoder, prompt, 1)
-        plan = [(f, strategy.contexts(f, tuple(prompt.order[:pos])))
-                for pos, f in enumerate(prompt.order)]
-        encodings.ensure({(f, c) for f, cs in plan for c in cs})
-        span = drift.memory_kv(preamble, [encodings.combined(f, cs) for f, cs in plan])
-        keys = drift.served_keys(rope, span, prompt)
-        facts_mask = torch.arange(prompt.memory_end) >= (
-            prompt.spans[0][0] if prompt.spans else prompt.memory_end)
-        examples.append(Example(prompt, text_log.float(), keys.to(kv_dtype),
-                                span[1].to(kv_dtype), facts_mask))
-    return examples
+    prompt = drift.compose(encoder, memory, question, embedder.encode([question])[0], k)
+    text_log, _ = drift.text_reference(encoder, prompt, 1)
+    plan = [(f, strategy.contexts(f, tuple(prompt.order[:pos])))
+            for pos, f in enumerate(prompt.order)]
+    encodings.ensure({(f, c) for f, cs in plan for c in cs})
+    span = drift.memory_kv(preamble, [encodings.combined(f, cs) for f, cs in plan])
+    keys = drift.served_keys(rope, span, prompt)
+    return Example(prompt, text_log.float(), keys.to(kv_dtype), span[1].to(kv_dtype))
 
 
 def fit(encoder, train: Sequence[Example], held_out: Sequence[Example], epochs: int,
@@ -120,10 +127,11 @@ def fit(encoder, train: Sequence[Example], held_out: Sequence[Example], epochs: 
 
 
 def run(settings, data: Path, out: Path | None, conversations: Sequence[int] = (1, 2),
-        questions: int = 40, k: int = 50, max_turns: int | None = 150, epochs: int = 4,
-        lr: float = 0.02, seed: int = 1, threads: int = 2) -> Path:
-    """Fit and write the scales file (default ``<data_dir>/key_scales/<model folder>.json``,
-    ready for ``INFERSCALE_KEY_SCALES``); returns its path."""
+        questions: int = 40, ks: Sequence[int] = (20, 50), max_turns: int | None = 150,
+        epochs: int = 4, lr: float = 0.02, seed: int = 1, threads: int = 2) -> Path:
+    """Fit one point per k and write the scales file (default
+    ``<data_dir>/key_scales/<model folder>.json``, ready for ``INFERSCALE_KEY_SCALES``); the
+    points of other fact counts already in that file for this model are kept. Returns its path."""
     from inferscale.embedder import load_embedder
     from inferscale.encoder import load_encoder
     from inferscale.fingerprint import model_fingerprint
@@ -132,37 +140,57 @@ def run(settings, data: Path, out: Path | None, conversations: Sequence[int] = (
     torch.set_num_threads(threads)
     started = time.perf_counter()
     model_dir = resolve_model_path(settings)
+    out = out or settings.data_dir / "key_scales" / f"{model_dir.name}.json"
     encoder = load_encoder(settings.model_copy(update={"device": "cpu",
                                                        "encode_dtype": "float32"}))
+    layers = encoder.config.num_hidden_layers
+    kept = _points_kept(out, model_dir.name, layers, ks)
     kv_dtype = encoder.kv_dtype
     encoder.kv_dtype = torch.float32
     for parameter in encoder.model.parameters():
         parameter.requires_grad_(False)
     embedder = load_embedder(settings)
-    examples: list[Example] = []
+    examples: dict[int, list[Example]] = {k: [] for k in ks}
     for conversation in conversations:
         facts, asked = drift.load_locomo(data, conversation, max_turns, questions, seed)
-        examples += examples_for(encoder, embedder, facts, asked, k, settings.window, kv_dtype)
+        for k, more in examples_for(encoder, embedder, facts, asked, ks, settings.window,
+                                    kv_dtype).items():
+            examples[k] += more
         print(f"conversation {conversation}: {len(asked)} questions over {len(facts)} facts "
               f"({time.perf_counter() - started:.0f} s)", flush=True)
-    if len(examples) < 2:
-        raise ValueError("calibration needs at least 2 questions (one is held out)")
-    random.Random(seed).shuffle(examples)
-    held = max(1, len(examples) // 5)
-    result = fit(encoder, examples[held:], examples[:held], epochs, lr, seed)
+    points = []
+    for k, at_k in examples.items():
+        if len(at_k) < 2:
+            raise ValueError("calibration needs at least 2 questions (one is held out)")
+        random.Random(seed).shuffle(at_k)
+        held = max(1, len(at_k) // 5)
+        fit_started = time.perf_counter()
+        result = fit(encoder, at_k[held:], at_k[:held], epochs, lr, seed,
+                     log=lambda line, k=k: print(f"k={k} {line}", flush=True))
+        points.append({"facts": k, "scales": result["scales"], "fit": {
+            "data": str(data), "conversations": list(conversations), "questions": len(at_k),
+            "held_out": held, "window": settings.window, "max_turns": max_turns,
+            "epochs": epochs, "lr": lr, "seed": seed, "kept_epoch": result["epoch"],
+            "held_out_kl_unscaled": result["held_out_kl_unscaled"],
+            "held_out_kl": result["held_out_kl"], "history": result["history"],
+            "fit_seconds": round(time.perf_counter() - fit_started, 1)}})
+        print(f"k={k}: kept epoch {result['epoch']}, held-out KL "
+              f"{result['held_out_kl_unscaled']:.4f} -> {result['held_out_kl']:.4f}")
     report = {"model": model_dir.name, "fingerprint": model_fingerprint(model_dir),
-              "scales": result["scales"],
-              "fit": {"data": str(data), "conversations": list(conversations),
-                      "questions": len(examples), "held_out": held, "k": k,
-                      "window": settings.window, "max_turns": max_turns, "epochs": epochs,
-                      "lr": lr, "seed": seed, "kept_epoch": result["epoch"],
-                      "held_out_kl_unscaled": result["held_out_kl_unscaled"],
-                      "held_out_kl": result["held_out_kl"], "history": result["history"],
-                      "seconds": round(time.perf_counter() - started, 1)}}
-    parse_key_scales(report, encoder.config.num_hidden_layers, "the fitted scales")
-    out = out or settings.data_dir / "key_scales" / f"{model_dir.name}.json"
+              "points": sorted(kept + points, key=lambda point: point["facts"])}
+    parse_key_scales(report, layers, "the fitted scales")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"kept epoch {result['epoch']}: held-out KL {result['held_out_kl_unscaled']:.4f} -> "
-          f"{result['held_out_kl']:.4f}; wrote {out}")
+    print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
     return out
+
+
+def _points_kept(out: Path, model: str, layers: int, ks: Sequence[int]) -> list[dict]:
+    """The points of ``out`` (an existing scales file for ``model``) at fact counts not in ks."""
+    if not out.exists():
+        return []
+    load_key_scales(out, layers)  # refuses a file that is not a valid scales file
+    raw = json.loads(out.read_text())
+    if raw.get("model") != model:
+        raise ValueError(f"{out} holds key scales for {raw.get('model')!r}, not {model!r}")
+    return [point for point in raw["points"] if point["facts"] not in ks]

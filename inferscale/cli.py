@@ -205,7 +205,8 @@ def _calibrate(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale import calibrate
 
     calibrate.run(settings, Path(args.data), Path(args.out) if args.out else None,
-                  conversations=tuple(args.conversations), questions=args.questions, k=args.k,
+                  conversations=tuple(args.conversations), questions=args.questions,
+                  ks=tuple(args.k),
                   max_turns=args.max_turns, epochs=args.epochs, lr=args.lr, seed=args.seed,
                   threads=args.threads)
     return 0
@@ -322,11 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="fit the served model's key scales on LoCoMo-format "
                                          "conversations (HF, offline)")
     p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
-    p.add_argument("--out", help="the scales file (default: <data_dir>/key_scales/<model>.json)")
+    p.add_argument("--out", help="the scales file (default: <data_dir>/key_scales/<model>.json; "
+                                 "its points at other fact counts are kept)")
     p.add_argument("--conversations", type=int, nargs="+", default=[1, 2],
                    help="conversation indexes to fit on (keep evaluation ones out)")
     p.add_argument("--questions", type=int, default=40, help="questions per conversation")
-    p.add_argument("--k", type=int, default=50, help="facts per served prompt")
+    p.add_argument("--k", type=int, nargs="+", default=[20, 50],
+                   help="facts per served prompt: one fitted point each (other points already "
+                        "in the output file are kept)")
     p.add_argument("--max-turns", type=int, default=150, help="each conversation's first N turns")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.02)

@@ -125,7 +125,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                               model_head_dim(hf))
             scales = resolve_key_scales(settings.key_scales, model_config.model,
                                         hf.num_hidden_layers)
-            self._key_scales = None if scales is None else scales.tensor(device=device)
+            self._key_scales = scales
             log.info("key scales: %s", scales.source if scales else "none")
         else:
             self._store = KVStore.from_settings(settings, self._fingerprint, host_bytes=0)
@@ -249,7 +249,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         positions, slots = [], []
-        scaled: list[bool] = []  # per piece: its keys take the key scales
+        runs: list[tuple[torch.Tensor | None, int]] = []  # per piece: its key scales, tokens
         for spec in loads:
             try:
                 spec_pieces = self._pieces(spec)
@@ -264,17 +264,15 @@ class InferScaleConnector(KVConnectorBase_V1):
             pieces += [(k, v) for k, v, _ in spec_pieces]
             positions.append(spec_positions)
             slots.append(spec_slots)
-            scaled += [spec.key_scales and name != PREAMBLE for _, _, name in spec_pieces]
+            runs += self._scale_runs(spec, spec_pieces)
         if not pieces:
             return
         k = torch.cat([piece[0] for piece in pieces], dim=1)
         v = torch.cat([piece[1] for piece in pieces], dim=1)
         gathered = time.perf_counter()
         self._rope.rotate_(k, torch.cat(positions))
-        if self._key_scales is not None and any(scaled):
-            rows = torch.tensor(scaled).repeat_interleave(
-                torch.tensor([piece[0].shape[1] for piece in pieces]))
-            k.mul_(key_factor(self._key_scales, rows))
+        if any(scales is not None for scales, _ in runs):
+            k.mul_(key_factor(runs, k.shape[0], k.device))
         rotated = time.perf_counter()
         slot_mapping = torch.cat(slots)
         for index, layer in self._attention_layers(forward_context):
@@ -284,6 +282,16 @@ class InferScaleConnector(KVConnectorBase_V1):
         KV_METRICS.stage_seconds.labels("gather").observe(gathered - started)
         KV_METRICS.stage_seconds.labels("rope").observe(rotated - gathered)
         KV_METRICS.stage_seconds.labels("cache_write").observe(time.perf_counter() - rotated)
+
+    def _scale_runs(self, spec: LoadSpec, pieces: list[tuple[torch.Tensor, torch.Tensor, str]]
+                    ) -> list[tuple[torch.Tensor | None, int]]:
+        """(key scales or None, tokens) per piece: the facts' pieces of a plan that asks for
+        key scales take the scales for the plan's number of injected facts."""
+        scales = None
+        if spec.key_scales and self._key_scales is not None:
+            scales = self._key_scales.for_facts(
+                sum(segment.name != PREAMBLE for segment in spec.segments))
+        return [(None if name == PREAMBLE else scales, k.shape[1]) for k, _, name in pieces]
 
     def _pieces(self, spec: LoadSpec) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
         """(K, V, segment name): views of the segments' blobs covering positions [start, end),

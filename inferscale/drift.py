@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from inferscale.encoder import EncodeItem, FactEncoder
-from inferscale.key_scales import key_factor
+from inferscale.key_scales import KeyScales, key_factor
 from inferscale.rope import ChunkedRope
 
 Context = tuple[int, ...]  # memory indices, in the order they precede the fact
@@ -361,16 +361,17 @@ def memory_kv(preamble: KV, facts: list[KV]) -> KV:
 
 
 def served_keys(rope: ChunkedRope, memory: KV, prompt: Prompt,
-                key_scales: torch.Tensor | None = None) -> torch.Tensor:
+                key_scales: KeyScales | None = None) -> torch.Tensor:
     """The memory's keys as the connector writes them: rotated to their serving positions,
-    the facts' (not the preamble's) scaled by ``key_scales`` [layers] where given."""
+    the facts' (not the preamble's) scaled by ``key_scales`` for the prompt's fact count."""
     k = memory[0]
     if k.shape[1] != prompt.memory_end:
         raise ValueError("injected K/V do not cover the memory span")
     k = rope.rotate(k, torch.arange(prompt.memory_end))
     if key_scales is not None and prompt.spans:
-        facts = torch.arange(prompt.memory_end) >= prompt.spans[0][0]
-        k = k * key_factor(key_scales, facts)
+        start = prompt.spans[0][0]
+        k = k * key_factor([(None, start), (key_scales.for_facts(len(prompt.spans)),
+                                            prompt.memory_end - start)], k.shape[0])
     return k
 
 
@@ -387,7 +388,7 @@ def memory_cache(encoder: FactEncoder, k: torch.Tensor, v: torch.Tensor):
 
 @torch.inference_mode()
 def injected(encoder: FactEncoder, rope: ChunkedRope, memory: KV, prompt: Prompt, n: int,
-             recompute: Sequence[int] = (), key_scales: torch.Tensor | None = None
+             recompute: Sequence[int] = (), key_scales: KeyScales | None = None
              ) -> tuple[torch.Tensor, list[int]]:
     """Inject the memory's K/V (``memory_kv``, keys as ``served_keys`` makes them), prefill
     the memory positions in ``recompute`` again (their injected entries masked out) and the
@@ -448,10 +449,10 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
             ks: Sequence[int], strategies: Sequence[str], w: int = 5, first_n: int = 4,
             seed: int = 0, log: Callable[[str], None] = print,
             checkpoint: Callable[[dict], None] | None = None, order: str = "relevance",
-            key_scales: torch.Tensor | None = None) -> dict:
+            key_scales: KeyScales | None = None) -> dict:
     """Every strategy at every k over the questions, facts served in ``order``; a summary and
     per-question records (``checkpoint`` gets the partial result after each strategy).
-    ``key_scales`` [layers]: what ``+scales`` strategies scale the facts' keys by."""
+    ``key_scales``: what ``+scales`` strategies scale the facts' keys by."""
     from inferscale.fidelity import bootstrap_mean_ci
 
     encoder.kv_dtype = torch.float32  # fp32 K/V: text and inject differ only by context
@@ -611,7 +612,7 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
 
     result = measure(encoder, memory, list(zip(asked, query_vectors, strict=True)), ks,
                      strategies, w, first_n, seed, checkpoint=save, order=order,
-                     key_scales=scales.tensor() if scales else None)
+                     key_scales=scales)
     rows = [[name, s["kl_mean"], s["first_token"], s[f"first_{first_n}"],
              s.get("kl_minus_neighbours5", ""), s.get("kl_minus_base", ""),
              s["recomputed_share"], s["encode_tokens"]]

@@ -1,23 +1,27 @@
 """Key scales: a per-layer temperature for the attention the prompt pays to injected facts.
 
 Facts encoded apart from each other (after their neighbours, not after the facts served before
-them) draw more attention from the question than the same facts prefilled as text: on LoCoMo,
-scaling every fact key by 0.9 lowers the drift (KL of the first-token distribution) by a
-quarter, by 1.1 doubles it. ``inferscale calibrate`` fits one scale per layer on held-out
-conversations (``calibrate.py``); the connector multiplies the rotated keys of every injected
-fact (not the preamble's, which is exact) by its layer's scale, and ``eval drift`` does the same
-offline. Scaling a key by s divides the temperature of its attention logits by s; values and
-the question's own keys are untouched.
+them) draw a different share of the question's attention than the same facts prefilled as text,
+and more so the more facts are injected: on LoCoMo at k = 50, scaling every fact key by 0.9
+lowers the drift (KL of the first-token distribution) by a quarter, by 1.1 doubles it.
+``inferscale calibrate`` fits one scale per layer at a given number of injected facts, on
+conversations kept out of evaluation (``calibrate.py``); the connector multiplies the rotated
+keys of every injected fact (not the preamble's, which is exact) by its layer's scale for the
+request's fact count, and ``eval drift`` does the same offline. Scaling a key by s divides the
+temperature of its attention logits by s; values and the question's own keys are untouched.
 
-A scales file is JSON: ``{"model": <model folder name>, "scales": [one per layer], ...}`` (other
-keys: provenance). ``INFERSCALE_KEY_SCALES``: ``auto`` (the file shipped for the served model,
-``inferscale/data/key_scales/<model folder name>.json``, when there is one), ``off``, or a path.
+A scales file is JSON: ``{"model": <model folder name>, "points": [{"facts": n, "scales": [one
+per layer], "fit": {...}}, ...], ...}`` (other keys: provenance); between fitted fact counts the
+log-scales are interpolated. ``INFERSCALE_KEY_SCALES``: ``auto`` (the file shipped for the
+served model, ``inferscale/data/key_scales/<model folder name>.json``, when there is one),
+``off``, or a path.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import torch
 SHIPPED_DIR = Path(__file__).parent / "data" / "key_scales"
 MIN_SCALE, MAX_SCALE = 0.25, 4.0
 MAX_FILE_BYTES = 1 << 20
+MAX_FACTS = 10_000
 
 
 class KeyScalesError(ValueError):
@@ -34,29 +39,55 @@ class KeyScalesError(ValueError):
 
 @dataclass(frozen=True)
 class KeyScales:
-    """One scale per layer for injected fact keys, and where they came from."""
+    """Per-layer scales for injected fact keys, fitted at several fact counts, and where they
+    came from. ``points``: (facts, scales per layer), ascending in facts."""
 
-    scales: tuple[float, ...]
+    points: tuple[tuple[int, tuple[float, ...]], ...]
     source: str
 
-    def tensor(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-               ) -> torch.Tensor:
-        return torch.tensor(self.scales, dtype=dtype, device=device)
+    def for_facts(self, facts: int) -> torch.Tensor:
+        """The per-layer scales [layers] for a prompt that injects ``facts`` facts: log-linear
+        in ``facts`` between fitted points, toward no scaling below the first (1 at 0 facts),
+        the last point's beyond it."""
+        counts = [count for count, _ in self.points]
+        logs = [torch.tensor(scales, dtype=torch.float64).log() for _, scales in self.points]
+        if facts >= counts[-1]:
+            log_scales = logs[-1]
+        elif facts <= counts[0]:
+            log_scales = logs[0] * max(facts, 0) / counts[0]
+        else:
+            i = next(j for j in range(1, len(counts)) if facts <= counts[j])
+            share = (facts - counts[i - 1]) / (counts[i] - counts[i - 1])
+            log_scales = logs[i - 1] * (1 - share) + logs[i] * share
+        return log_scales.exp().float()
+
+
+def _scales(value: object, layers: int, where: str) -> tuple[float, ...]:
+    if not isinstance(value, list) or len(value) != layers:
+        raise KeyScalesError(f"{where}: expected {layers} scales (one per layer)")
+    for scale in value:
+        if type(scale) not in (int, float) or not math.isfinite(scale) or not (
+                MIN_SCALE <= scale <= MAX_SCALE):
+            raise KeyScalesError(f"{where}: every scale must be a number in "
+                                 f"[{MIN_SCALE}, {MAX_SCALE}], got {str(scale)[:40]!r}")
+    return tuple(float(scale) for scale in value)
 
 
 def parse_key_scales(raw: object, layers: int, source: str) -> KeyScales:
-    """Validate a decoded scales file for a model with ``layers`` layers."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("scales"), list):
-        raise KeyScalesError(f"{source}: expected an object with a 'scales' list")
-    scales = raw["scales"]
-    if len(scales) != layers:
-        raise KeyScalesError(f"{source}: {len(scales)} scales for a model with {layers} layers")
-    for value in scales:
-        if type(value) not in (int, float) or not math.isfinite(value) or not (
-                MIN_SCALE <= value <= MAX_SCALE):
-            raise KeyScalesError(f"{source}: every scale must be a number in "
-                                 f"[{MIN_SCALE}, {MAX_SCALE}], got {str(value)[:40]!r}")
-    return KeyScales(tuple(float(v) for v in scales), source)
+    """Validate a decoded scales file for a model with ``layers`` layers: ``{"points":
+    [{"facts": n, "scales": [...]}, ...], ...}``, at most one point per fact count."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("points"), list) or not raw["points"]:
+        raise KeyScalesError(f"{source}: expected an object with a non-empty 'points' list")
+    points: dict[int, tuple[float, ...]] = {}
+    for point in raw["points"]:
+        if not isinstance(point, dict):
+            raise KeyScalesError(f"{source}: a point must be an object")
+        facts = point.get("facts")
+        if type(facts) is not int or not 1 <= facts <= MAX_FACTS or facts in points:
+            raise KeyScalesError(f"{source}: 'facts' must be distinct integers in "
+                                 f"[1, {MAX_FACTS}], got {str(facts)[:40]!r}")
+        points[facts] = _scales(point.get("scales"), layers, f"{source}, facts={facts}")
+    return KeyScales(tuple(sorted(points.items())), source)
 
 
 def load_key_scales(path: Path, layers: int) -> KeyScales:
@@ -98,9 +129,11 @@ def resolve_for_server(setting: str, model_dir: Path) -> str:
     return scales.source if scales else "off"
 
 
-def key_factor(scales: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
-    """Per-(layer, token) multipliers ``[layers, tokens, 1, 1]`` for keys
-    ``[layers, tokens, heads, head_dim]``: the layer's scale where ``scaled [tokens]`` is true
-    (an injected fact's token), 1 elsewhere."""
-    one = torch.ones((), dtype=scales.dtype, device=scales.device)
-    return torch.where(scaled.to(scales.device)[None, :], scales[:, None], one)[..., None, None]
+def key_factor(runs: Sequence[tuple[torch.Tensor | None, int]], layers: int,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-(layer, token) multipliers ``[layers, tokens, 1, 1]`` for keys ``[layers, tokens,
+    heads, head_dim]`` made of consecutive runs of tokens: (scales [layers], or None for
+    unscaled tokens such as the preamble's, run length)."""
+    one = torch.ones(layers, device=device)
+    return torch.cat([(one if scales is None else scales.to(device))[:, None].expand(
+        layers, length) for scales, length in runs], dim=1)[..., None, None]

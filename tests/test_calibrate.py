@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from inferscale import calibrate
@@ -20,8 +21,8 @@ def test_fit_recovers_known_scales(tiny_models, embedder):
     for parameter in encoder.model.parameters():
         parameter.requires_grad_(False)
     facts, questions = load_locomo(SAMPLE, 0, 12, 6, seed=1)
-    examples = calibrate.examples_for(encoder, embedder, facts, questions, k=3, w=2,
-                                      kv_dtype=torch.float32)
+    examples = calibrate.examples_for(encoder, embedder, facts, questions, ks=[3], w=2,
+                                      kv_dtype=torch.float32)[3]
     target = torch.full((3,), 0.6)
     with torch.no_grad():
         examples = [dataclasses.replace(e, text_log=calibrate.first_token_log(encoder, e, target))
@@ -36,10 +37,23 @@ def test_fit_recovers_known_scales(tiny_models, embedder):
 
 def test_calibrate_writes_a_file_the_server_can_use(tiny_models, tmp_path):
     settings = Settings(data_dir=tmp_path, model_path=tiny_models["llama"], window=2)
-    out = calibrate.run(settings, SAMPLE, tmp_path / "scales.json", conversations=(0,),
-                        questions=5, k=3, max_turns=12, epochs=1, threads=1)
+    out = tmp_path / "scales.json"
+    calibrate.run(settings, SAMPLE, out, conversations=(0,), questions=5, ks=(3,),
+                  max_turns=12, epochs=1, threads=1)
     raw = json.loads(out.read_text())
-    assert raw["model"] == "llama" and len(raw["fit"]["history"]) == 2
+    assert raw["model"] == "llama" and [p["facts"] for p in raw["points"]] == [3]
+    fit = raw["points"][0]["fit"]
+    assert len(fit["history"]) == 2
     # the kept scales never do worse on the held-out questions than no scaling
-    assert raw["fit"]["held_out_kl"] <= raw["fit"]["held_out_kl_unscaled"]
-    assert len(load_key_scales(out, 3).scales) == 3
+    assert fit["held_out_kl"] <= fit["held_out_kl_unscaled"]
+    # a later run at another k adds its point and keeps this one
+    calibrate.run(settings, SAMPLE, out, conversations=(0,), questions=3, ks=(2,),
+                  max_turns=12, epochs=1, threads=1)
+    scales = load_key_scales(out, 3)
+    assert [n for n, _ in scales.points] == [2, 3]
+    assert scales.points[1][1] == tuple(raw["points"][0]["scales"])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**raw, "model": "another-model"}))
+    with pytest.raises(ValueError, match="another-model"):
+        calibrate.run(settings, SAMPLE, other, conversations=(0,), questions=3, ks=(2,),
+                      max_turns=12, epochs=1, threads=1)

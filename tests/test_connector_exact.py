@@ -30,7 +30,8 @@ KEY_SCALE = 0.5
 def tiny_served(base_settings, tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("exact")
     scales = root / "key-scales.json"
-    scales.write_text(json.dumps({"model": "llama", "scales": [KEY_SCALE] * 3}))
+    scales.write_text(json.dumps({"model": "llama",
+                                  "points": [{"facts": 1, "scales": [KEY_SCALE] * 3}]}))
     settings = base_settings.model_copy(update={
         "model_path": tiny_models["llama"], "kv_dir": root / "kv", "data_dir": root,
         "window": 0, "top_k": 1, "key_scales": str(scales)})

@@ -123,6 +123,7 @@ def test_time_order_serves_the_same_facts_in_stored_order(tiny_models):
 
 def test_scaled_strategies_scale_the_facts_keys_only(tiny_models):
     from inferscale.drift import compose, served_keys
+    from inferscale.key_scales import KeyScales
     from inferscale.rope import ChunkedRope
 
     encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
@@ -134,7 +135,7 @@ def test_scaled_strategies_scale_the_facts_keys_only(tiny_models):
 
     def kls(scale: float) -> tuple[list[float], list[float]]:
         result = measure(encoder, memory, questions, ks=[4], strategies=specs, w=2,
-                         log=lambda _: None, key_scales=torch.full((3,), scale))
+                         log=lambda _: None, key_scales=KeyScales(((4, (scale,) * 3),), "t"))
         rows = result["records"]
         assert result["summary"]["neighbours@2+scales k=4"]["strategy"] == specs[1]
         return ([r["kl"] for r in rows if r["strategy"] == specs[0]],
@@ -151,7 +152,7 @@ def test_scaled_strategies_scale_the_facts_keys_only(tiny_models):
     span = (torch.randn(3, prompt.memory_end, 2, 64), torch.randn(3, prompt.memory_end, 2, 64))
     rope = ChunkedRope(encoder.config, torch.float32)
     keys = served_keys(rope, span, prompt)
-    scaled = served_keys(rope, span, prompt, torch.tensor([0.5, 1.0, 2.0]))
+    scaled = served_keys(rope, span, prompt, KeyScales(((3, (0.5, 1.0, 2.0)),), "t"))
     assert prompt.spans[0][0] == preamble
     assert torch.equal(scaled[:, :preamble], keys[:, :preamble])
     for layer, scale in enumerate((0.5, 1.0, 2.0)):
