@@ -272,7 +272,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         gathered = time.perf_counter()
         self._rope.rotate_(k, torch.cat(positions))
         if any(scales is not None for scales, _ in runs):
-            k.mul_(key_factor(runs, k.shape[0], k.device))
+            k.mul_(key_factor(runs, k.shape[0], k.device, k.dtype))
         rotated = time.perf_counter()
         slot_mapping = torch.cat(slots)
         for index, layer in self._attention_layers(forward_context):
