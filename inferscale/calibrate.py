@@ -151,6 +151,11 @@ def run(settings, data: Path, out: Path | None, conversations: Sequence[int] = (
     from inferscale.fingerprint import model_fingerprint
     from inferscale.model_prep import resolve_model_path
 
+    if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
+        raise ValueError(f"fact counts (--k) must be distinct and >= 1, got {list(ks)}")
+    if not conversations or questions < 1 or epochs < 0 or not lr > 0 or threads < 1:
+        raise ValueError("calibrate needs conversations, questions >= 1, epochs >= 0, lr > 0 "
+                         "and threads >= 1")
     torch.set_num_threads(threads)
     started = time.perf_counter()
     model_dir = resolve_model_path(settings)

@@ -57,3 +57,13 @@ def test_calibrate_writes_a_file_the_server_can_use(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="another-model"):
         calibrate.run(settings, SAMPLE, other, conversations=(0,), questions=3, ks=(2,),
                       max_turns=12, epochs=1, threads=1)
+
+
+def test_calibrate_refuses_bad_arguments_before_any_work(tmp_path):
+    settings = Settings(data_dir=tmp_path)
+    for bad in ({"ks": ()}, {"ks": (0, 50)}, {"ks": (20, 20)}, {"questions": 0},
+                {"conversations": ()}, {"epochs": -1}, {"lr": 0.0}, {"lr": float("nan")},
+                {"threads": 0}):
+        with pytest.raises(ValueError):
+            calibrate.run(settings, SAMPLE, tmp_path / "s.json", **bad)
+    assert not (tmp_path / "s.json").exists()
