@@ -89,8 +89,7 @@ def _example(encoder, embedder, memory, encodings, rope, preamble, question: str
     strategy = drift.make_strategy(f"neighbours-pos0@{w}", memory, w, k)
     prompt = drift.compose(encoder, memory, question, embedder.encode([question])[0], k)
     text_log, _ = drift.text_reference(encoder, prompt, 1)
-    plan = [(f, strategy.contexts(f, tuple(prompt.order[:pos])))
-            for pos, f in enumerate(prompt.order)]
+    plan = strategy.plan(prompt.order)
     encodings.ensure({(f, c) for f, cs in plan for c in cs})
     span = drift.memory_kv(preamble, [encodings.combined(f, cs) for f, cs in plan])
     keys = drift.served_keys(rope, span, prompt)

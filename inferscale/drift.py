@@ -95,6 +95,10 @@ class Strategy:
         self.recompute = recompute
         self.scaled = scaled
 
+    def plan(self, order: Sequence[int]) -> list[tuple[int, list[Context]]]:
+        """(fact, the contexts it is encoded after) for facts served in ``order``."""
+        return [(f, self.contexts(f, tuple(order[:pos]))) for pos, f in enumerate(order)]
+
 
 def _coret(memory: Memory, fact: int, w: int, k: int) -> Context:
     """Co-retrieval context: each earlier fact's (and this fact's) embedding is a synthetic
@@ -473,8 +477,7 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
         jobs = [make_strategy(s, memory, w, k, seed) for s in strategies]
         if key_scales is None and any(job.scaled for job in jobs):
             raise ValueError(f"a {SCALED} strategy needs key scales")
-        plans = [[[(f, job.contexts(f, tuple(p.order[:pos]))) for pos, f in enumerate(p.order)]
-                  for p in prompts] for job in jobs]
+        plans = [[job.plan(p.order) for p in prompts] for job in jobs]
         needs = [{(f, c) for plan in per_q for f, cs in plan for c in cs} for per_q in plans]
         for n, job in enumerate(jobs):
             t0, tokens0, enc_s0 = time.perf_counter(), enc.tokens, enc.seconds

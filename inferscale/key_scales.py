@@ -19,6 +19,7 @@ served model, ``inferscale/data/key_scales/<model folder name>.json``, when ther
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -45,12 +46,16 @@ class KeyScales:
     points: tuple[tuple[int, tuple[float, ...]], ...]
     source: str
 
+    @functools.cached_property
+    def _logs(self) -> list[torch.Tensor]:
+        """Each point's log-scales (made once: ``for_facts`` runs per injected request)."""
+        return [torch.tensor(scales, dtype=torch.float64).log() for _, scales in self.points]
+
     def for_facts(self, facts: int) -> torch.Tensor:
         """The per-layer scales [layers] for a prompt that injects ``facts`` facts: log-linear
         in ``facts`` between fitted points, toward no scaling below the first (1 at 0 facts),
         the last point's beyond it."""
-        counts = [count for count, _ in self.points]
-        logs = [torch.tensor(scales, dtype=torch.float64).log() for _, scales in self.points]
+        counts, logs = [count for count, _ in self.points], self._logs
         if facts >= counts[-1]:
             log_scales = logs[-1]
         elif facts <= counts[0]:
