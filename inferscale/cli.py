@@ -191,7 +191,8 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
                   threads=args.threads, name=args.name, anchor=args.anchor,
                   order=args.order)
         return 0
-    evaluate.run(settings, Path(args.data), Path(args.out), conversations=args.conversations,
+    evaluate.run(settings, Path(args.data), Path(args.out),
+                 conversations=tuple(args.conversations),
                  questions=args.questions, ks=tuple(args.k), windows=tuple(windows),
                  contexts=tuple(args.context or [settings.encode_context]),
                  recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
@@ -283,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", choices=["fidelity", "drift"])
     p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
     p.add_argument("--out", default="bench-out")
-    p.add_argument("--conversations", type=int, default=1)
+    p.add_argument("--conversations", type=int, nargs="+", default=[0],
+                   help="fidelity: which conversations (indices into --data)")
     p.add_argument("--questions", type=int, default=100, help="QA items in all (categories 1-4)")
     p.add_argument("--k", type=int, nargs="+", default=[20])
     p.add_argument("--w", type=int, nargs="+",

@@ -166,8 +166,9 @@ class _Oracle:
 
 
 async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: int,
-                   settings: Settings, warmup: int = 2) -> list[dict]:
+                   settings: Settings, log: Path, warmup: int = 2) -> list[dict]:
     records = []
+    log.unlink(missing_ok=True)
     oracle = _Oracle(settings) if any(c.oracle for c in plan) else None
     async with httpx.AsyncClient(timeout=600) as client:
         for item in items[:warmup]:  # compile and page-in warm-up, not timed
@@ -185,11 +186,14 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
                     got = await answer(client, url, item["users"][config.encoding],
                                        item["question"], config, max_tokens)
                 answers[config.name] = got
-                records.append({"question": item["question"], "answer": item["answer"],
+                records.append({"sample_id": item["sample_id"], "question": item["question"],
+                                "answer": item["answer"],
                                 "category": item["category"], "config": config.name,
                                 "f1": locomo_f1(got["prediction"], item["answer"],
                                                 item["category"]),
                                 "em": exact_match(got["prediction"], item["answer"]), **got})
+            with log.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records[-len(plan):])
             print(f"  answered {n}/{len(items)}", flush=True)
     if oracle:
         await oracle.engine.dispose()
@@ -237,14 +241,21 @@ def pick_questions(samples: list[dict], questions: int, seed: int) -> list[dict]
     return random.Random(seed).sample(qa, min(questions, len(qa)))
 
 
-def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
+def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int, ...] = (0,),
         questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
         contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int, ...] = (0,),
         order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
         max_tokens: int = 32, max_turns: int | None = None, seed: int = 0,
         key_scales: tuple[bool, ...] = (True,)) -> dict:
-    """Ingest, serve, answer and score; prints a table and writes JSON."""
-    samples = json.loads(data.read_text())[:conversations]
+    """Ingest the given conversations (indices into ``data``), serve, answer and score; prints a
+    table and writes JSON (every answer is also appended to ``eval-fidelity.jsonl`` as it comes,
+    so a run cut short keeps what it measured)."""
+    dataset = json.loads(data.read_text())
+    if not conversations or len(set(conversations)) != len(conversations) or not all(
+            0 <= c < len(dataset) for c in conversations):
+        raise ValueError(f"conversations must be distinct indices in [0, {len(dataset)}), "
+                         f"got {list(conversations)}")
+    samples = [dataset[c] for c in conversations]
     settings = prepare(settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     encodings = [(c, w) for c in contexts for w in windows]
@@ -254,10 +265,12 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: int = 1,
              for q in pick_questions(samples, questions, seed)]
     plan = configs(list(ks), encodings, list(recomputes), order, oracle, leads, key_scales)
     with server_process(settings, out_dir / "server.log") as url:
-        records = asyncio.run(_ask_all(url, items, plan, max_tokens, settings))
+        records = asyncio.run(_ask_all(url, items, plan, max_tokens, settings,
+                                       out_dir / "eval-fidelity.jsonl"))
     summary = summarize(records, plan)
     _print(summary)
-    report = {"data": str(data), "questions": len(items), "ks": list(ks), "windows": list(windows),
+    report = {"data": str(data), "conversations": list(conversations), "questions": len(items),
+              "ks": list(ks), "windows": list(windows),
               "contexts": list(contexts), "recomputes": list(recomputes), "order": order,
               "leads": list(leads), "key_scales": list(key_scales),
               "key_scales_setting": settings.key_scales,
