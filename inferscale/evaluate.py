@@ -122,7 +122,8 @@ def _ingest(settings: Settings, samples: list[dict], encoding: tuple[str, int], 
         finally:
             await engine.dispose()
 
-    with worker_process(run, out_dir / f"worker-{context}{window}.log"):
+    with worker_process(run, out_dir / f"worker-{context}{window}.log",
+                        sharing=1):  # the server starts after ingest
         asyncio.run(go())
     return users
 

@@ -48,7 +48,7 @@ def run(settings: Settings, data: Path, out_dir: Path, rates: tuple[float, ...] 
     """One server; for each rate and mode, a Poisson load of ``duration_s`` seconds."""
     settings, user, questions, turns = prepare_user(settings, data, 100)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with worker_process(settings, out_dir / "worker.log"):
+    with worker_process(settings, out_dir / "worker.log", sharing=1):  # no server yet
         ingest_user(settings, user, turns)
     rows, table = [], []
     with server_process(settings, out_dir / "server.log") as url:

@@ -141,7 +141,7 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
     settings, user, questions, turns = prepare_user(settings, data, turns_limit)
     questions = questions[:n_queries]
     out_dir.mkdir(parents=True, exist_ok=True)
-    with worker_process(settings, out_dir / "worker.log"):
+    with worker_process(settings, out_dir / "worker.log", sharing=1):  # no server yet
         encode_s = ingest_user(settings, user, turns)
     print(f"{len(turns)} facts ingested and encoded in {encode_s:.0f}s; starting the server")
     with server_process(settings, out_dir / "server.log") as url:
