@@ -1,13 +1,15 @@
 """Fidelity metrics and the eval's configuration plan (pure logic)."""
 
+import json
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.evaluate import Config, configs, summarize
+from inferscale.evaluate import Config, configs, run, summarize
 from inferscale.fidelity import bootstrap_mean_ci, compare, same_prefix, top_kl
+from inferscale.settings import Settings
 
 
 def _top(logits: dict[int, float], keep: int) -> dict[int, float]:
@@ -106,3 +108,12 @@ def test_plan_and_summary():
     assert inject["vs_text"]["first_token"] == 1 and inject["vs_text"]["whole_answer"] == 0
     assert inject["ttft_ratio_text_over_this"] == pytest.approx(4.0)
     assert inject["same_facts"] == 1
+
+
+@pytest.mark.parametrize("conversations", [(), (2,), (-1,), (0, 0)])
+def test_eval_refuses_conversations_the_file_does_not_have(tmp_path, conversations):
+    data = tmp_path / "two.json"
+    data.write_text(json.dumps([{"sample_id": "a", "qa": []}, {"sample_id": "b", "qa": []}]))
+    with pytest.raises(ValueError, match="distinct indices in \\[0, 2\\)"):
+        run(Settings(), data, tmp_path / "out", conversations=conversations)
+    assert not (tmp_path / "out").exists()  # refused before any infrastructure or output
