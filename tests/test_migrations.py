@@ -18,6 +18,15 @@ async def _tables(url: str) -> set[str]:
         await conn.close()
 
 
+async def _hnsw_index(url: str) -> str | None:
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_facts_embedding_hnsw'")
+    finally:
+        await conn.close()
+
+
 async def test_upgrade_downgrade_upgrade(base_settings):
     url = make_url(base_settings.database_url)
     plain = url.set(drivername="postgresql").render_as_string(hide_password=False)
@@ -34,13 +43,14 @@ async def test_upgrade_downgrade_upgrade(base_settings):
         await asyncio.to_thread(migrate.upgrade, target)
         tables = await _tables(raw)
         assert {"turns", "facts"} <= tables
-        conn = await asyncpg.connect(raw)
-        try:
-            index = await conn.fetchval(
-                "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_facts_embedding_hnsw'")
-        finally:
-            await conn.close()
+        # 0007 drops the global HNSW index (exact search within one owner); its downgrade
+        # brings it back.
+        assert await _hnsw_index(raw) is None
+        await asyncio.to_thread(migrate.downgrade, target, "0006")
+        index = await _hnsw_index(raw)
         assert "hnsw" in index and "vector_cosine_ops" in index
+        await asyncio.to_thread(migrate.upgrade, target)
+        assert await _hnsw_index(raw) is None
     finally:
         await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
         await admin.close()

@@ -18,11 +18,6 @@ def resolve_database_url(settings: Settings | None = None) -> str:
 
 
 def create_engine(url: str | None = None, settings: Settings | None = None) -> AsyncEngine:
-    """An asyncpg-backed SQLAlchemy engine for the InferScale database. Its sessions let an
-    HNSW scan go on until enough rows pass a filter (an owner's facts), set once per connection,
-    not per query. The scan may return them slightly out of order (``relaxed_order``: faster and
-    with better recall than ``strict_order``); ``top_k_facts`` sorts its k rows."""
+    """An asyncpg-backed SQLAlchemy engine for the InferScale database."""
     return create_async_engine(
-        url or resolve_database_url(settings), pool_size=5, max_overflow=5, pool_pre_ping=True,
-        connect_args={"server_settings": {"hnsw.iterative_scan": "relaxed_order"}},
-    )
+        url or resolve_database_url(settings), pool_size=5, max_overflow=5, pool_pre_ping=True)

@@ -91,8 +91,8 @@ async def top_k_facts(
     """The user's k live facts nearest to the query by cosine distance, nearest first."""
     if k <= 0:
         return []
-    # The engine's sessions set hnsw.iterative_scan (relaxed order), so the owner filter never
-    # starves the scan; the k rows are sorted here.
+    # Exact: the owner's rows through ix_facts_user, ranked by distance (no ANN index; see
+    # migration 0007).
     distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
     stmt = (
         select(
@@ -109,8 +109,7 @@ async def top_k_facts(
         .order_by(distance, facts.c.id)
         .limit(k)
     )
-    hits = [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
-    return sorted(hits, key=lambda hit: (hit.distance, hit.id))
+    return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
 
 
 async def count_user_rows(conn: AsyncConnection, user_id: str) -> tuple[int, int]:
@@ -195,9 +194,7 @@ _CONTEXTS = {
                SELECT c.text FROM facts c
                WHERE c.user_id = f.user_id AND c.deleted_at IS NULL
                  AND (c.ts, c.id) < (f.ts, f.id)
-               -- "+ 0" keeps the planner off the HNSW index: an index scan filtered by user
-               -- afterwards would drop neighbours; the exact sort covers one user's facts.
-               ORDER BY (c.embedding <=> f.embedding) + 0, c.id LIMIT :window""",
+               ORDER BY c.embedding <=> f.embedding, c.id LIMIT :window""",
 }
 
 _CLAIM = """
@@ -398,7 +395,7 @@ async def nearest_live_facts(conn: AsyncConnection, user_id: str,
         CROSS JOIN LATERAL (
             SELECT id, text, embedding FROM facts
             WHERE user_id = :user AND deleted_at IS NULL
-            ORDER BY (embedding <=> CAST(q.v AS vector)) + 0, id LIMIT :n) f
+            ORDER BY embedding <=> CAST(q.v AS vector), id LIMIT :n) f
         ORDER BY q.i, (f.embedding <=> CAST(q.v AS vector)), f.id
     """), {"vectors": [_vector_text(e) for e in embeddings], "user": user_id, "n": n})
     out: list[list[StoredFact]] = [[] for _ in embeddings]
