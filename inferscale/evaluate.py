@@ -9,7 +9,8 @@ lead encoding for the first fact served (``--lead on off``), with or without the
 (``--key-scales on off``), and with ``--oracle``
 KV encoded with exactly its serving prefix (what is left is numerics). Per configuration: LoCoMo
 F1, agreement with text on generated token ids (first token, first 4, whole answer), mean KL of
-the first-token distributions, the F1 gap with a paired bootstrap interval, and TTFT.
+the first-token distributions, the F1 gap with a paired bootstrap interval, and TTFT (each
+question's facts are paged into the host tier before its timed answers).
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
                     await answer(client, url, item["users"][config.encoding],
                                  item["question"], config, 2)
         for n, item in enumerate(items, 1):
+            # Page the question's facts into the host tier first (one token, not timed), so no
+            # inject configuration pays the first page-ins and the others none.
+            for config in {Config("inject", c.k, c.w, context=c.context) for c in plan
+                           if c.mode == "inject" and not c.oracle}:
+                await answer(client, url, item["users"][config.encoding], item["question"],
+                             config, 1)
             answers: dict[str, dict] = {}
             for config in plan:
                 if config.oracle:
