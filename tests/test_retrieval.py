@@ -48,8 +48,9 @@ async def test_right_fact_first_and_only_own_facts(engine, embedder):
 
 async def test_other_owners_nearer_facts_never_displace_the_owners_own(engine):
     """Hundreds of other owners' facts sit nearer the query than the owner's own: the search
-    still returns k of the owner's, the exact nearest, in order (an ANN index walked first and
-    filtered by owner after returned fewer than k; migration 0007)."""
+    still returns k of the owner's, the exact nearest, in order (a global ANN index walked first
+    and filtered by owner after returned fewer than k without iterative scans, and missed
+    nearest ones with them; migration 0007)."""
     rng = np.random.default_rng(3)
     query = rng.standard_normal(384).astype(np.float32)
     query /= np.linalg.norm(query)
