@@ -58,7 +58,7 @@ class Memory:
 
     def nearest(self, vector: np.ndarray, among: Sequence[int], n: int) -> list[int]:
         """Up to ``n`` of ``among`` nearest to ``vector`` by cosine distance, nearest first, ties
-        by id (the order of ``top_k_facts`` and of the worker's neighbour query)."""
+        by id (the order of the server's retrieval and of the worker's neighbour query)."""
         among = np.asarray(among, dtype=np.int64)
         if n <= 0 or among.size == 0:
             return []

@@ -92,6 +92,7 @@ class _Runtime:
         from inferscale.kvstore import KVStore
         from inferscale.layout import MemoryLayout
         from inferscale.model_prep import resolve_model_path
+        from inferscale.owner_index import OwnerIndex
 
         model_path = resolve_model_path(settings)
         self.settings = settings
@@ -99,6 +100,7 @@ class _Runtime:
         self.fingerprint = model_fingerprint(model_path)
         self.embedder = load_embedder(settings)
         self.engine = create_engine(settings=settings)
+        self.index = OwnerIndex(self.engine, settings.retrieval_index_bytes)
         self.store = KVStore.from_settings(settings, self.fingerprint, host_bytes=0)
 
 
@@ -225,7 +227,7 @@ async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: li
     mode = options.mode
     started = time.perf_counter()
     facts = ([] if mode == "none" else
-             await retrieve(rt.engine, rt.embedder, owner, query, options.k))
+             await retrieve(rt.index, rt.embedder, owner, query, options.k))
     retrieval_ms = (time.perf_counter() - started) * 1000
     M.retrieval_seconds.observe(retrieval_ms / 1000)
     if options.order == "time":

@@ -4,24 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
-from sqlalchemy.ext.asyncio import AsyncEngine
-
-from inferscale.db.queries import RetrievedFact, top_k_facts
+from inferscale.db.queries import RetrievedFact
 from inferscale.embedder import Embedder
+from inferscale.owner_index import OwnerIndex
 
 
-async def retrieve(
-    engine: AsyncEngine, embedder: Embedder, user_id: str, query: str, k: int
-) -> list[RetrievedFact]:
-    """Embed the query off the event loop, then search the owner's facts, nearest first."""
+async def retrieve(index: OwnerIndex, embedder: Embedder, user_id: str, query: str, k: int
+                   ) -> list[RetrievedFact]:
+    """Embed the query off the event loop while the owner's vectors are brought up to date,
+    then search them, nearest first."""
+    if k <= 0:
+        return []
     loop = asyncio.get_running_loop()
-    vector = (await loop.run_in_executor(None, embedder.encode, [query]))[0]
-    return await search(engine, user_id, vector.tolist(), k)
-
-
-async def search(engine: AsyncEngine, user_id: str, vector: list[float], k: int
-                 ) -> list[RetrievedFact]:
-    """The owner's k live facts nearest to ``vector``, nearest first."""
-    async with engine.connect() as conn:  # one statement: no BEGIN / COMMIT round trips
-        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        return await top_k_facts(conn, user_id, vector, k)
+    vectors, owner = await asyncio.gather(loop.run_in_executor(None, embedder.encode, [query]),
+                                          index.current(user_id))
+    return await index.search(user_id, vectors[0], k, owner)

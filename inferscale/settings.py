@@ -166,6 +166,9 @@ class Settings(BaseSettings):
     # Order of the retrieved facts in the prompt: "relevance" (best last, as the paper does) or
     # "time" (the order they were stored in: a user's conversation order).
     fact_order: Literal["relevance", "time"] = "relevance"
+    # Memory for the owners' fact embeddings each server searches in process (least recently
+    # used owners leave first): 10k facts of 384 floats take 15 MB.
+    retrieval_index_bytes: int = Field(default=512 * 1024**2, gt=0)
     server_host: str = "127.0.0.1"
     server_port: int = 8000
     server_url: str | None = None

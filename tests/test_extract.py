@@ -12,11 +12,12 @@ import pytest
 from sqlalchemy import select
 
 from helpers import extract_all, turn
-from inferscale.db.queries import StoredFact, count_user_rows, top_k_facts
+from inferscale.db.queries import StoredFact, count_user_rows
 from inferscale.db.tables import facts, turns
 from inferscale.extract import LLMExtractor, TurnExtractor, TurnInContext, get_extractor
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.memory_update import Decision, LLMDecider, NewDraft, plan_updates
+from inferscale.owner_index import OwnerIndex
 from workers.ingest import IngestWorker
 
 TS = datetime(2025, 5, 3, 9, 0, tzinfo=UTC)
@@ -272,7 +273,8 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
         history = {r.text: (r.deleted_at is not None, r.superseded_by) for r in await conn.execute(
             select(facts.c.text, facts.c.deleted_at, facts.c.superseded_by).where(
                 facts.c.user_id == user))}
-        hits = await top_k_facts(conn, user, embedder.encode(["Where does Ana live?"])[0], 5)
+    hits = await OwnerIndex(engine, 2**20).search(
+        user, embedder.encode(["Where does Ana live?"])[0], 5)
     ids = {text: fact_id for fact_id, text in await _all(engine, user)}
     lisbon, porto = ids["3 May 2025 Ana: I moved to Lisbon last week."], ids[
         "4 May 2025 Ana: We moved again, to Porto."]

@@ -27,6 +27,22 @@ async def _hnsw_index(url: str) -> str | None:
         await conn.close()
 
 
+async def _execute(url: str, sql: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def _fetchval(url: str, sql: str):
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(sql)
+    finally:
+        await conn.close()
+
+
 async def test_upgrade_downgrade_upgrade(base_settings):
     url = make_url(base_settings.database_url)
     plain = url.set(drivername="postgresql").render_as_string(hide_password=False)
@@ -51,6 +67,18 @@ async def test_upgrade_downgrade_upgrade(base_settings):
         assert "hnsw" in index and "vector_cosine_ops" in index
         await asyncio.to_thread(migrate.upgrade, target)
         assert await _hnsw_index(raw) is None
+        # 0008 gives every owner that has facts a memory version; its downgrade drops them.
+        await asyncio.to_thread(migrate.downgrade, target, "0007")
+        assert "memory_versions" not in await _tables(raw)
+        await _execute(raw, "INSERT INTO facts (user_id, conversation_id, turn_ids, extractor, "
+                            "text, ts, embedding) VALUES ('ana', 'c', '{t1}', 'turn', 'x', now(), "
+                            "array_fill(0.1, ARRAY[384])::vector)")
+        await asyncio.to_thread(migrate.upgrade, target)
+        version = "SELECT version FROM memory_versions WHERE user_id = 'ana'"
+        backfilled = await _fetchval(raw, version)
+        assert backfilled > 0
+        await _execute(raw, "TRUNCATE facts")  # a reset: every owner's version moves
+        assert await _fetchval(raw, version) > backfilled
     finally:
         await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
         await admin.close()

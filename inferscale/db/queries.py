@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import BigInteger, and_, any_, bindparam, delete, func, select, text, update
+from sqlalchemy import BigInteger, any_, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from inferscale.db.tables import facts, forgotten_users, turns
+from inferscale.db.tables import facts, forgotten_users, memory_versions, turns
 
 
 @dataclass(frozen=True)
@@ -85,31 +85,46 @@ async def upsert_facts(conn: AsyncConnection, rows: Sequence[NewFact]) -> int:
     return len((await conn.execute(stmt)).all())
 
 
-async def top_k_facts(
-    conn: AsyncConnection, user_id: str, query_embedding: Sequence[float], k: int
-) -> list[RetrievedFact]:
-    """The user's k live facts nearest to the query by cosine distance, nearest first."""
-    if k <= 0:
-        return []
-    # Exact: the owner's rows through ix_facts_user, ranked by distance (no ANN index; see
-    # migration 0007).
-    distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
-    stmt = (
-        select(
-            facts.c.id,
-            facts.c.text,
-            distance,
-            facts.c.token_ids,
-            facts.c.kv_location,
-            facts.c.kv_checksum,
-            facts.c.kv_lead_checksum,
-            facts.c.model_fingerprint,
-        )
-        .where(and_(facts.c.user_id == user_id, facts.c.deleted_at.is_(None)))
-        .order_by(distance, facts.c.id)
-        .limit(k)
-    )
-    return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
+async def memory_version(conn: AsyncConnection, user_id: str) -> int:
+    """The owner's memory version (0: never had a fact); any change to which facts are live
+    bumps it (migration 0008)."""
+    version = await conn.scalar(select(memory_versions.c.version)
+                                .where(memory_versions.c.user_id == user_id))
+    return int(version or 0)
+
+
+_LIVE_FACT_IDS = text("""
+    SELECT coalesce((SELECT version FROM memory_versions WHERE user_id = :user), 0) AS version,
+           array(SELECT id FROM facts WHERE user_id = :user AND deleted_at IS NULL
+                 ORDER BY id) AS ids
+""")
+
+
+async def live_fact_ids(conn: AsyncConnection, user_id: str) -> tuple[int, list[int]]:
+    """(memory version, ids of the owner's live facts), read in one snapshot."""
+    row = (await conn.execute(_LIVE_FACT_IDS, {"user": user_id})).one()
+    return int(row.version), list(row.ids)
+
+
+async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
+                          ) -> list[tuple[int, bytes]]:
+    """(id, embedding in pgvector's binary format) of these facts, in id order."""
+    rows = await conn.execute(text(
+        "SELECT id, vector_send(embedding) AS embedding FROM facts "
+        "WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id"), {"ids": list(fact_ids)})
+    return [(r.id, bytes(r.embedding)) for r in rows]
+
+
+async def live_facts(conn: AsyncConnection, user_id: str, fact_ids: Sequence[int]
+                     ) -> dict[int, dict]:
+    """The owner's live facts among ``fact_ids`` as RetrievedFact fields (less distance)."""
+    stmt = select(facts.c.id, facts.c.text, facts.c.token_ids, facts.c.kv_location,
+                  facts.c.kv_checksum, facts.c.kv_lead_checksum,
+                  facts.c.model_fingerprint).where(
+        facts.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+        facts.c.user_id == user_id, facts.c.deleted_at.is_(None))
+    rows = await conn.execute(stmt, {"ids": list(fact_ids)})
+    return {row.id: dict(row._mapping) for row in rows}
 
 
 async def count_user_rows(conn: AsyncConnection, user_id: str) -> tuple[int, int]:

@@ -78,3 +78,11 @@ forgotten_users = Table(
     Column("user_id", String(256), primary_key=True),
     Column("forgotten_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
 )
+
+# Bumped (from one sequence) by triggers on facts whenever an owner's set of live facts changes.
+memory_versions = Table(
+    "memory_versions",
+    metadata,
+    Column("user_id", String(256), primary_key=True),
+    Column("version", BigInteger, nullable=False),
+)
