@@ -1,11 +1,12 @@
 """Exact nearest-fact search over an in-memory copy of each owner's fact embeddings.
 
-Postgres stays the source of truth. Per request the index reads the owner's memory version
-(one primary-key lookup, migration 0008); where it moved, it reloads the owner's live fact ids
-and fetches only the embeddings it lacks (a fact's embedding never changes). Ranking is one
-matrix-vector product over the owner's unit vectors; the hits' rows are then read by id, live
-only, so a fact retired between the two reads is never served. Owners are kept least recently
-used first out, within a byte budget.
+Postgres stays the source of truth: a memory version per owner (migration 0008), read with
+the hits' rows in one statement. Where it moved and nothing was retired since, the index
+fetches the facts stored since (ids above the last it holds; the counters prove none was
+missed); else it re-reads the owner's live ids and fetches only the embeddings it lacks (a
+fact's embedding never changes); then it ranks again. Ranking is one matrix-vector product
+over the owner's unit vectors; rows are read by id, live only. Owners are kept within a byte
+budget, least recently used first out.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from inferscale.db.queries import (
     RetrievedFact,
     fact_embeddings,
-    live_fact_ids,
     live_facts,
+    memory_delta,
     memory_version,
 )
 
@@ -31,6 +32,7 @@ from inferscale.db.queries import (
 _HEADER = np.dtype([("dim", ">i2"), ("unused", ">i2")])
 # Extra candidates read by id, so that facts retired since the version check leave k behind.
 SLACK = 8
+CATCH_UPS = 3
 
 
 def decode_vectors(blobs: list[bytes]) -> np.ndarray:
@@ -46,15 +48,22 @@ def decode_vectors(blobs: list[bytes]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class OwnerVectors:
-    """One owner's live facts at one memory version: ids ascending, unit rows."""
+    """One owner's live facts at one memory version: ids ascending, their unit vectors in the
+    first rows of ``buffer`` (rows past them are room for facts stored later)."""
 
-    version: int
+    version: int  # -1: read while it changed; reloaded on the next request
+    inserted: int  # the owner's counters when read (``MemoryDelta``)
+    retired: int
     ids: np.ndarray  # int64, (n,)
-    matrix: np.ndarray  # float32, (n, dim)
+    buffer: np.ndarray  # float32, (capacity >= n, dim)
+
+    @property
+    def matrix(self) -> np.ndarray:
+        return self.buffer[:len(self.ids)]
 
     @property
     def nbytes(self) -> int:
-        return self.ids.nbytes + self.matrix.nbytes
+        return self.ids.nbytes + self.buffer.nbytes
 
     def nearest(self, query: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, cosine distances) of the n nearest rows, nearest first, ties by id."""
@@ -88,22 +97,27 @@ class OwnerIndex:
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self._owners.values())
 
-    async def search(self, user_id: str, query: np.ndarray, k: int,
-                     owner: OwnerVectors | None = None) -> list[RetrievedFact]:
-        """The owner's k live facts nearest to ``query``, nearest first (exact); ``owner``:
-        their vectors from a ``current`` call made for this request."""
+    async def search(self, user_id: str, query: np.ndarray, k: int) -> list[RetrievedFact]:
+        """The owner's k live facts nearest to ``query``, nearest first (exact). Ranks the held
+        vectors, then reads the hits' rows with the memory version in one statement; where the
+        version moved, catches up and ranks again (under a stream of changes, after
+        ``CATCH_UPS`` tries it serves the live rows of its last ranking)."""
         if k <= 0:
             return []
         query = _unit(np.asarray(query, np.float32))
-        for attempt in range(2):
-            owner = owner or await self.current(user_id)
+        owner = self._owners.get(user_id)
+        if owner is None:
+            owner = await self.current(user_id)
+        self._owners.move_to_end(user_id)
+        for _ in range(CATCH_UPS):
             ids, distances = owner.nearest(query, k + SLACK)
             async with self._connect() as conn:
-                rows = await live_facts(conn, user_id, ids.tolist())
-            if len(rows) == len(ids) or attempt:
+                version, rows = await live_facts(conn, user_id, ids.tolist())
+            if version == owner.version and len(rows) == len(ids):
                 break
-            self._owners.pop(user_id, None)  # changed since the version check: reload once
-            owner = None
+            if version == owner.version:  # rows gone, version kept: trust nothing held
+                self._owners.pop(user_id, None)
+            owner = await self.current(user_id)
         return [RetrievedFact(distance=float(d), **rows[i])
                 for i, d in zip(ids.tolist(), distances.tolist(), strict=True) if i in rows][:k]
 
@@ -123,16 +137,27 @@ class OwnerIndex:
         return cached
 
     async def _reload(self, user_id: str, cached: OwnerVectors | None) -> OwnerVectors:
+        """Catch up: with only facts stored since ``cached`` (no retirement), fetch just those;
+        else re-read the live ids and fetch the embeddings not held."""
         async with self._connect() as conn:
-            version, ids = await live_fact_ids(conn, user_id)
-            ids_now = np.asarray(ids, np.int64)
-            held = cached.ids if cached is not None else ids_now[:0]
-            missing = np.setdiff1d(ids_now, held, assume_unique=True)
+            delta = None
+            if cached is not None:
+                after = int(cached.ids[-1]) if len(cached.ids) else 0
+                delta = await memory_delta(conn, user_id, after)
+                if (delta.retired != cached.retired
+                        or delta.inserted - cached.inserted != len(delta.ids)):
+                    delta = None  # something retired, or stored out of id order
+            appending = delta is not None
+            delta = delta or await memory_delta(conn, user_id, 0)
+            held = cached.ids if cached is not None else np.zeros(0, np.int64)
+            missing = np.setdiff1d(np.asarray(delta.ids, np.int64), held, assume_unique=True)
             fetched = await fact_embeddings(conn, missing.tolist()) if len(missing) else []
-        if len(fetched) != len(missing):  # deleted since the id list: reload next time
-            version = -1
+        version = delta.version if len(fetched) == len(missing) else -1  # some deleted since
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, _merge, version, ids_now, cached, fetched)
+        return await loop.run_in_executor(
+            None, _append if appending else _rebuild, cached,
+            OwnerVectors(version, delta.inserted, delta.retired,
+                         np.asarray(delta.ids, np.int64), np.zeros((0, 0), np.float32)), fetched)
 
     def _keep(self, user_id: str, owner: OwnerVectors) -> None:
         self._owners[user_id] = owner
@@ -148,17 +173,45 @@ class OwnerIndex:
             yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
-def _merge(version: int, ids: np.ndarray, cached: OwnerVectors | None,
-           fetched: list[tuple[int, bytes]]) -> OwnerVectors:
-    """The rows of ``ids`` from the cached matrix and the fetched embeddings (off the loop)."""
+def _append(cached: OwnerVectors, read: OwnerVectors, fetched: list[tuple[int, bytes]]
+            ) -> OwnerVectors:
+    """``cached`` plus the facts stored since, in place past its rows where the buffer has room
+    (searches holding ``cached`` read only its own rows)."""
+    ids = np.asarray([i for i, _ in fetched], np.int64)
+    rows = _unit(decode_vectors([blob for _, blob in fetched]))
+    n, total = len(cached.ids), len(cached.ids) + len(ids)
+    buffer = cached.buffer
+    if total > len(buffer) or (len(ids) and buffer.shape[1] != rows.shape[1]):
+        buffer = np.empty((_capacity(total), rows.shape[1] if len(ids) else buffer.shape[1]),
+                          np.float32)
+        if n:
+            buffer[:n] = cached.matrix
+    if len(ids):
+        buffer[n:total] = rows
+    return OwnerVectors(read.version, read.inserted, read.retired,
+                        np.concatenate([cached.ids, ids]), buffer)
+
+
+def _rebuild(cached: OwnerVectors | None, read: OwnerVectors,
+             fetched: list[tuple[int, bytes]]) -> OwnerVectors:
+    """The rows of ``read.ids``: those ``cached`` holds, plus the fetched embeddings."""
     fetched_ids = np.asarray([i for i, _ in fetched], np.int64)
     fetched_rows = _unit(decode_vectors([blob for _, blob in fetched]))
+    parts_ids, parts_rows = [fetched_ids], [fetched_rows]
     if cached is not None and len(cached.ids):
-        all_ids = np.concatenate([cached.ids, fetched_ids])
-        rows = (np.concatenate([cached.matrix, fetched_rows]) if len(fetched_ids)
-                else cached.matrix)
-    else:
-        all_ids, rows = fetched_ids, fetched_rows
-    keep = np.isin(all_ids, ids, assume_unique=True)
-    order = np.argsort(all_ids[keep], kind="stable")
-    return OwnerVectors(version, all_ids[keep][order], rows[keep][order])
+        kept = np.isin(cached.ids, read.ids, assume_unique=True)
+        parts_ids.insert(0, cached.ids[kept])
+        parts_rows.insert(0, cached.matrix[kept])
+    parts_rows = [rows for rows, ids in zip(parts_rows, parts_ids, strict=True) if len(ids)]
+    ids = np.concatenate(parts_ids)
+    order = np.argsort(ids, kind="stable")
+    dim = parts_rows[0].shape[1] if parts_rows else 0
+    buffer = np.empty((_capacity(len(ids)), dim), np.float32)
+    if len(ids):
+        np.take(np.concatenate(parts_rows), order, axis=0, out=buffer[:len(ids)])
+    return OwnerVectors(read.version, read.inserted, read.retired, ids[order], buffer)
+
+
+def _capacity(n: int) -> int:
+    """Rows to allocate for n facts: room for a quarter more before the next copy."""
+    return n + n // 4 + 16

@@ -11,11 +11,9 @@ from inferscale.owner_index import OwnerIndex
 
 async def retrieve(index: OwnerIndex, embedder: Embedder, user_id: str, query: str, k: int
                    ) -> list[RetrievedFact]:
-    """Embed the query off the event loop while the owner's vectors are brought up to date,
-    then search them, nearest first."""
+    """Embed the query off the event loop, then search the owner's facts, nearest first."""
     if k <= 0:
         return []
     loop = asyncio.get_running_loop()
-    vectors, owner = await asyncio.gather(loop.run_in_executor(None, embedder.encode, [query]),
-                                          index.current(user_id))
-    return await index.search(user_id, vectors[0], k, owner)
+    vector = (await loop.run_in_executor(None, embedder.encode, [query]))[0]
+    return await index.search(user_id, vector, k)

@@ -1,6 +1,7 @@
 """Retrieval: the right fact first, never another user's, exact, and current with every change
 to the owner's memory (the in-process index against the real Postgres)."""
 
+import dataclasses
 import random
 import uuid
 from datetime import UTC, datetime
@@ -8,11 +9,11 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from sqlalchemy import delete, update
+from sqlalchemy import delete, text, update
 
 from inferscale.db.queries import NewFact, memory_version, nearest_live_facts, upsert_facts
 from inferscale.db.tables import facts
-from inferscale.owner_index import OwnerIndex, OwnerVectors, decode_vectors
+from inferscale.owner_index import OwnerIndex, OwnerVectors, _capacity, decode_vectors
 from inferscale.retrieval import retrieve
 from inferscale.settings import Settings
 
@@ -112,13 +113,16 @@ async def test_ranking_equals_postgres_exact_ranking(engine, index):
 
 
 async def test_index_follows_every_change_to_the_owners_memory(engine, index):
-    """New facts are found by the next request; retired and forgotten ones never again;
+    """The first facts of an owner and every new one are found by the next request; retired and
+    forgotten ones never again;
     encoding a fact (kv columns) does not move the owner's memory version."""
     rng = np.random.default_rng(7)
     owner = f"owner-{uuid.uuid4().hex[:6]}"
     query = _unit(rng.standard_normal(384).astype(np.float32))
+    assert await index.search(owner, query, 5) == []  # an owner without facts yet
     await _insert(engine, _rows(owner, _unit(rng.standard_normal((20, 384)).astype(np.float32))))
     before = await index.search(owner, query, 5)
+    assert len(before) == 5
     version = await _version(engine, owner)
     async with engine.begin() as conn:
         await conn.execute(update(facts).where(facts.c.user_id == owner).values(
@@ -144,20 +148,47 @@ async def test_index_follows_every_change_to_the_owners_memory(engine, index):
     assert await index.search(owner, query, 5) == []
 
 
-async def test_a_fact_retired_after_the_version_check_is_never_served(engine, index):
-    """The hits' rows are read by id, live only: a fact retired between the version check and
-    that read is skipped, and k live facts still come back."""
+async def test_facts_stored_since_are_appended_and_late_ids_are_not_missed(engine, index):
+    """Facts stored since the last read are appended in place (no copy of the owner's rows); a
+    fact committed late with an id below ones already read is found too (the counters show the
+    append would miss it, so the ids are re-read)."""
+    rng = np.random.default_rng(17)
+    owner = f"owner-{uuid.uuid4().hex[:6]}"
+    query = _unit(rng.standard_normal(384).astype(np.float32))
+    async with engine.connect() as conn:
+        late_id = await conn.scalar(text("SELECT nextval('facts_id_seq')"))
+    await _insert(engine, _rows(owner, _unit(rng.standard_normal((10, 384)).astype(np.float32))))
+    first = await index.current(owner)
+    await _insert(engine, _rows(owner, query[None], start=50))
+    second = await index.current(owner)
+    assert second.buffer is first.buffer and len(second.ids) == 11
+    assert (await index.search(owner, query, 1))[0].text == f"{owner} 50"
+    late = _rows(owner, query[None], start=60)[0]
+    async with engine.begin() as conn:
+        await conn.execute(facts.insert().values(id=late_id, **{
+            **dataclasses.asdict(late), "turn_ids": list(late.turn_ids)}))
+    third = await index.current(owner)
+    assert late_id in third.ids.tolist() and len(third.ids) == 12
+    assert {h.text for h in await index.search(owner, query, 2)} == {f"{owner} 50",
+                                                                     f"{owner} 60"}
+
+
+async def test_a_fact_retired_after_the_index_read_the_owner_is_never_served(engine, index):
+    """The index ranks its held copy first; the hits' rows come with the memory version, so a
+    fact retired since the copy was read is not served, and k live facts still come back."""
     rng = np.random.default_rng(11)
     owner = f"owner-{uuid.uuid4().hex[:6]}"
     query = _unit(rng.standard_normal(384).astype(np.float32))
     await _insert(engine, _rows(owner, _unit(rng.standard_normal((30, 384)).astype(np.float32))))
-    owner_vectors = await index.current(owner)
-    nearest = (await index.search(owner, query, 3, owner_vectors))[0]
+    held = await index.current(owner)
+    nearest = (await index.search(owner, query, 3))[0]
     async with engine.begin() as conn:
         await conn.execute(update(facts).where(facts.c.id == nearest.id).values(
             deleted_at=datetime.now(UTC)))
-    hits = await index.search(owner, query, 3, owner_vectors)  # the stale copy, as in a race
+    assert index._owners[owner] is held  # the stale copy, as a concurrent retirement leaves it
+    hits = await index.search(owner, query, 3)
     assert len(hits) == 3 and nearest.id not in {h.id for h in hits}
+    assert index._owners[owner].version > held.version
 
 
 async def test_ties_break_by_id(engine, index):
@@ -175,7 +206,8 @@ async def test_least_recently_used_owners_leave_within_the_budget(engine):
     for owner in owners:
         await _insert(engine, _rows(owner, _unit(rng.standard_normal((100, 384)).astype(
             np.float32))))
-    index = OwnerIndex(engine, max_bytes=2 * 100 * (384 * 4 + 8))  # room for two owners
+    per_owner = 100 * 8 + _capacity(100) * 384 * 4
+    index = OwnerIndex(engine, max_bytes=2 * per_owner + per_owner // 2)  # room for two
     query = _unit(rng.standard_normal(384).astype(np.float32))
     for owner in owners:
         assert len(await index.search(owner, query, 5)) == 5
@@ -188,7 +220,7 @@ def test_nearest_takes_every_tie_at_the_boundary():
     """Pure ranking: ids of equal scores come in id order, whichever side of the partition."""
     ids = np.asarray([50, 10, 40, 20, 30], np.int64)
     matrix = np.asarray([[1, 0], [0, 1], [1, 0], [1, 0], [0.6, 0.8]], np.float32)
-    owner = OwnerVectors(1, ids, matrix)
+    owner = OwnerVectors(1, 5, 0, ids, matrix)
     got, distances = owner.nearest(np.asarray([1, 0], np.float32), 2)
     assert got.tolist() == [20, 40] and distances.tolist() == [0.0, 0.0]
     assert owner.nearest(np.asarray([1, 0], np.float32), 9)[0].tolist() == [20, 40, 50, 30, 10]

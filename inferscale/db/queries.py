@@ -93,17 +93,30 @@ async def memory_version(conn: AsyncConnection, user_id: str) -> int:
     return int(version or 0)
 
 
-_LIVE_FACT_IDS = text("""
-    SELECT coalesce((SELECT version FROM memory_versions WHERE user_id = :user), 0) AS version,
-           array(SELECT id FROM facts WHERE user_id = :user AND deleted_at IS NULL
-                 ORDER BY id) AS ids
+@dataclass(frozen=True)
+class MemoryDelta:
+    """An owner's memory counters and the ids of their live facts above some id, read in one
+    snapshot."""
+
+    version: int
+    inserted: int  # facts ever stored
+    retired: int  # facts ever deleted, retired or revived
+    ids: list[int]
+
+
+_MEMORY_DELTA = text("""
+    SELECT coalesce(m.version, 0) AS version, coalesce(m.inserted, 0) AS inserted,
+           coalesce(m.retired, 0) AS retired,
+           array(SELECT id FROM facts WHERE user_id = :user AND id > :after
+                 AND deleted_at IS NULL ORDER BY id) AS ids
+    FROM (SELECT 1) one LEFT JOIN memory_versions m ON m.user_id = :user
 """)
 
 
-async def live_fact_ids(conn: AsyncConnection, user_id: str) -> tuple[int, list[int]]:
-    """(memory version, ids of the owner's live facts), read in one snapshot."""
-    row = (await conn.execute(_LIVE_FACT_IDS, {"user": user_id})).one()
-    return int(row.version), list(row.ids)
+async def memory_delta(conn: AsyncConnection, user_id: str, after_id: int) -> MemoryDelta:
+    """The owner's memory counters and live fact ids above ``after_id`` (0: all of them)."""
+    row = (await conn.execute(_MEMORY_DELTA, {"user": user_id, "after": after_id})).one()
+    return MemoryDelta(int(row.version), int(row.inserted), int(row.retired), list(row.ids))
 
 
 async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
@@ -115,16 +128,24 @@ async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
     return [(r.id, bytes(r.embedding)) for r in rows]
 
 
+_LIVE_FACTS = text("""
+    SELECT coalesce(m.version, 0) AS version, f.id, f.text, f.token_ids, f.kv_location,
+           f.kv_checksum, f.kv_lead_checksum, f.model_fingerprint
+    FROM (SELECT 1) one
+    LEFT JOIN memory_versions m ON m.user_id = :user
+    LEFT JOIN facts f ON f.id = ANY(CAST(:ids AS bigint[])) AND f.user_id = :user
+        AND f.deleted_at IS NULL
+""")
+
+
 async def live_facts(conn: AsyncConnection, user_id: str, fact_ids: Sequence[int]
-                     ) -> dict[int, dict]:
-    """The owner's live facts among ``fact_ids`` as RetrievedFact fields (less distance)."""
-    stmt = select(facts.c.id, facts.c.text, facts.c.token_ids, facts.c.kv_location,
-                  facts.c.kv_checksum, facts.c.kv_lead_checksum,
-                  facts.c.model_fingerprint).where(
-        facts.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
-        facts.c.user_id == user_id, facts.c.deleted_at.is_(None))
-    rows = await conn.execute(stmt, {"ids": list(fact_ids)})
-    return {row.id: dict(row._mapping) for row in rows}
+                     ) -> tuple[int, dict[int, dict]]:
+    """(the owner's memory version, their live facts among ``fact_ids`` as RetrievedFact fields
+    less distance), read in one snapshot."""
+    rows = (await conn.execute(_LIVE_FACTS, {"user": user_id, "ids": list(fact_ids)})).all()
+    found = {row.id: {k: v for k, v in row._mapping.items() if k != "version"}
+             for row in rows if row.id is not None}
+    return int(rows[0].version), found
 
 
 async def count_user_rows(conn: AsyncConnection, user_id: str) -> tuple[int, int]:

@@ -79,10 +79,13 @@ forgotten_users = Table(
     Column("forgotten_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
 )
 
-# Bumped (from one sequence) by triggers on facts whenever an owner's set of live facts changes.
+# Kept by triggers on facts (migration 0008): a new version (from one sequence) whenever an
+# owner's set of live facts changes, with running counts of facts inserted and retired.
 memory_versions = Table(
     "memory_versions",
     metadata,
     Column("user_id", String(256), primary_key=True),
     Column("version", BigInteger, nullable=False),
+    Column("inserted", BigInteger, nullable=False),
+    Column("retired", BigInteger, nullable=False),
 )
