@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -198,8 +199,21 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
                  recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
                  leads=tuple(choice == "on" for choice in args.lead),
                  max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed,
-                 key_scales=tuple(choice == "on" for choice in args.key_scales))
+                 key_scales=tuple(args.key_scales))
     return 0
+
+
+def _key_scales_choice(raw: str) -> float | None:
+    """``--key-scales`` values: on (None: the server's own strength), off (0) or a strength."""
+    if raw in ("on", "off"):
+        return None if raw == "on" else 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected on, off or a number in [0, 1], got {raw!r}")
+    return value
 
 
 def _calibrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -297,8 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tail recompute: best m facts prefilled after the injected ones")
     p.add_argument("--lead", choices=["on", "off"], nargs="+", default=["on"],
                    help="inject with and/or without the lead encoding for the first fact served")
-    p.add_argument("--key-scales", choices=["on", "off"], nargs="+", default=["on"],
-                   help="inject with and/or without the server's key scales")
+    p.add_argument("--key-scales", type=_key_scales_choice, nargs="+", default=[None],
+                   metavar="on|off|STRENGTH",
+                   help="inject with the server's key scales as it applies them (on), without "
+                        "(off), and/or at these strengths in [0, 1] (each scale raised to it)")
     p.add_argument("--order", choices=["relevance", "time"], default="relevance",
                    help="fact order in the prompt (text and inject alike)")
     p.add_argument("--oracle", action="store_true",

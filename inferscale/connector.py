@@ -78,14 +78,14 @@ def _never_raises(fallback: Callable[..., Any]):
 @dataclass
 class LoadSpec:
     """Positions ``[start, end)`` of one request to fill from ``segments`` into ``block_ids``;
-    ``key_scales``: scale the facts' keys (the plan asks for it)."""
+    ``key_scales``: the strength the facts' keys are scaled with (the plan's; 0: unscaled)."""
 
     request_id: str
     start: int
     end: int
     segments: list[Segment]
     block_ids: list[int] = field(default_factory=list)
-    key_scales: bool = False
+    key_scales: float = 0.0
 
 
 @dataclass
@@ -286,11 +286,12 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _scale_runs(self, spec: LoadSpec, pieces: list[tuple[torch.Tensor, torch.Tensor, str]]
                     ) -> list[tuple[torch.Tensor | None, int]]:
         """(key scales or None, tokens) per piece: the facts' pieces of a plan that asks for
-        key scales take the scales for the plan's number of injected facts."""
+        key scales take the scales for the plan's number of injected facts, raised to the
+        plan's strength."""
         scales = None
-        if spec.key_scales and self._key_scales is not None:
+        if spec.key_scales > 0 and self._key_scales is not None:
             scales = self._key_scales.for_facts(
-                sum(segment.name != PREAMBLE for segment in spec.segments))
+                sum(segment.name != PREAMBLE for segment in spec.segments)) ** spec.key_scales
         return [(None if name == PREAMBLE else scales, k.shape[1]) for k, _, name in pieces]
 
     def _pieces(self, spec: LoadSpec) -> list[tuple[torch.Tensor, torch.Tensor, str]]:

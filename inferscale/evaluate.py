@@ -52,7 +52,7 @@ class Config:
     oracle: bool = False  # KV encoded with exactly its serving prefix (a diagnostic)
     context: str = "turns"
     lead: bool = True
-    key_scales: bool = True
+    key_scales: float | None = None  # strength sent with the request (None: the server's)
 
     @property
     def name(self) -> str:
@@ -63,7 +63,8 @@ class Config:
             return f"text k={self.k} (user w={self.window}){order}"
         window = "oracle" if self.oracle else self.window
         lead = "" if self.lead else " no-lead"
-        scaled = "" if self.key_scales else " unscaled"
+        scaled = ("" if self.key_scales is None else " unscaled" if self.key_scales == 0
+                  else f" scales^{self.key_scales:g}")
         return f"inject k={self.k} w={window} m={self.recompute}{order}{lead}{scaled}"
 
     @property
@@ -82,7 +83,7 @@ class Config:
 
 def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[int],
             order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
-            key_scales: tuple[bool, ...] = (True,)) -> list[Config]:
+            key_scales: tuple[float | None, ...] = (None,)) -> list[Config]:
     """none, then per k: text per encoding (its own user), inject per encoding, recompute,
     lead and key-scales choice, and the oracle window after the first encoding's text."""
     out = [Config("none")]
@@ -135,7 +136,8 @@ async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, 
     top logprobs, TTFT and the fact ids the server used, in prompt order."""
     got = await stream_chat(client, url, user, question, config.mode, config.k, max_tokens,
                             options={"recompute": config.recompute, "order": config.order,
-                                     "lead": config.lead, "key_scales": config.key_scales},
+                                     "lead": config.lead, **({} if config.key_scales is None else
+                                                             {"key_scales": config.key_scales})},
                             top_logprobs=TOP_LOGPROBS)
     return {"prediction": got.text, "token_ids": got.token_ids, "first_top": got.first_top,
             "ttft_s": got.ttft, "fact_ids": got.headers.get("x-inferscale-fact-ids", "")}
@@ -254,7 +256,7 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int,
         contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int, ...] = (0,),
         order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
         max_tokens: int = 32, max_turns: int | None = None, seed: int = 0,
-        key_scales: tuple[bool, ...] = (True,)) -> dict:
+        key_scales: tuple[float | None, ...] = (None,)) -> dict:
     """Ingest the given conversations (indices into ``data``), serve, answer and score; prints a
     table and writes JSON (every answer is also appended to ``eval-fidelity.jsonl`` as it comes,
     so a run cut short keeps what it measured)."""
@@ -282,6 +284,7 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int,
               "contexts": list(contexts), "recomputes": list(recomputes), "order": order,
               "leads": list(leads), "key_scales": list(key_scales),
               "key_scales_setting": settings.key_scales,
+              "key_scale_strength_setting": settings.key_scale_strength,
               "max_tokens": max_tokens,
               "max_turns": max_turns, "encode_dtype": settings.encode_dtype,
               "extractor": settings.extractor, "summary": summary,

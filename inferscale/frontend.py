@@ -11,8 +11,9 @@ headers) overrides the defaults; modes: ``inject`` (default), ``text`` (same fac
 as text), ``none``; ``recompute``: the last m facts are prefilled after the injected ones;
 ``order``: ``relevance`` (best last) or ``time`` (stored order); ``lead``: the first injected
 fact uses its lead encoding (after the preamble alone: exact there) where it has one;
-``key_scales``: the connector applies its per-layer key scales to the injected facts
-(``key_scales.py``; a no-op where it has none).
+``key_scales``: how strongly the connector applies its per-layer key scales to the injected
+facts, true / false or a strength in [0, 1] (each scale raised to it; ``key_scales.py``; a
+no-op where it has none).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -114,7 +116,7 @@ class MemoryOptions:
     recompute: int = 0
     order: str = "relevance"
     lead: bool = True  # the first injected fact uses its lead encoding, where it has one
-    key_scales: bool = True  # the connector applies its key scales to the injected facts
+    key_scales: float = 1.0  # the strength the connector applies its key scales with (0: not)
 
 
 def _int_option(name: str, raw: object) -> int:
@@ -135,6 +137,20 @@ def _bool_option(name: str, raw: object) -> bool:
     raise FrontendError(400, f"{name} must be true or false, got {str(raw)[:40]!r}")
 
 
+def _strength_option(name: str, raw: object) -> float:
+    """true / false, or a number in [0, 1] (a header's text too)."""
+    if isinstance(raw, bool) or (isinstance(raw, str) and raw.lower() in ("true", "false")):
+        return 1.0 if _bool_option(name, raw) else 0.0
+    try:
+        value = float(raw) if isinstance(raw, (int, float, str)) else math.nan
+    except (ValueError, OverflowError):
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise FrontendError(400, f"{name} must be true, false or a number in [0, 1], "
+                                 f"got {str(raw)[:40]!r}")
+    return value
+
+
 def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
                        ) -> tuple[str | None, MemoryOptions]:
     owner = headers.get("x-inferscale-user") or data.get("user")
@@ -152,8 +168,10 @@ def _owner_and_options(data: dict, headers: dict[str, str], settings: Settings
         raise FrontendError(400, f"unknown fact order; use one of {ORDERS}")
     lead = _bool_option("lead", options.get(
         "lead", headers.get("x-inferscale-lead", settings.lead_encoding)))
-    key_scales = _bool_option("key_scales", options.get(
-        "key_scales", headers.get("x-inferscale-key-scales", settings.key_scales != "off")))
+    key_scales = _strength_option("key_scales", options.get(
+        "key_scales", headers.get("x-inferscale-key-scales",
+                                  settings.key_scale_strength if settings.key_scales != "off"
+                                  else 0.0)))
     if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
         raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
     return owner, MemoryOptions(mode, k, recompute, order, lead, key_scales)

@@ -45,11 +45,12 @@ class Segment:
 @dataclass(frozen=True)
 class Plan:
     """Contiguous segments from position 0: the preamble, then injected facts; ``key_scales``:
-    the connector scales the facts' keys by its per-layer key scales (``key_scales.py``)."""
+    the strength in [0, 1] the connector scales the facts' keys with (each of its per-layer key
+    scales raised to it, ``key_scales.py``; 0: unscaled)."""
 
     fingerprint: str
     segments: list[Segment]
-    key_scales: bool = False
+    key_scales: float = 0.0
 
     @property
     def end(self) -> int:
@@ -102,11 +103,11 @@ def verify(data: object, secret: str) -> Plan:
     if not hmac.compare_digest(data["sig"].encode("utf-8", "surrogatepass"), mac.encode()):
         raise PlanError("bad plan signature")
     fingerprint, segments = body.get("fingerprint"), body.get("segments")
-    key_scales = body.get("key_scales", False)
-    if not isinstance(fingerprint, str) or not isinstance(segments, list) or not isinstance(
-            key_scales, bool):
+    key_scales = body.get("key_scales", 0.0)
+    if not isinstance(fingerprint, str) or not isinstance(segments, list) or not (
+            type(key_scales) in (int, float) and 0 <= key_scales <= 1):
         raise PlanError("malformed plan: fingerprint/segments/key_scales")
     plan = Plan(fingerprint=fingerprint, segments=[_segment(s) for s in segments],
-                key_scales=key_scales)
+                key_scales=float(key_scales))
     plan.check_layout()
     return plan

@@ -1,5 +1,6 @@
 """Fidelity metrics and the eval's configuration plan (pure logic)."""
 
+import argparse
 import json
 import math
 
@@ -117,3 +118,14 @@ def test_eval_refuses_conversations_the_file_does_not_have(tmp_path, conversatio
     with pytest.raises(ValueError, match="distinct indices in \\[0, 2\\)"):
         run(Settings(), data, tmp_path / "out", conversations=conversations)
     assert not (tmp_path / "out").exists()  # refused before any infrastructure or output
+
+
+@pytest.mark.parametrize("raw", ["half", "1.5", "-0.1", "nan", "inf"])
+def test_eval_refuses_key_scale_strengths_outside_0_1(raw):
+    from inferscale.cli import _key_scales_choice
+
+    with pytest.raises(argparse.ArgumentTypeError, match="on, off or a number"):
+        _key_scales_choice(raw)
+    assert [_key_scales_choice(v) for v in ("on", "off", "0.5", "1")] == [None, 0.0, 0.5, 1.0]
+    assert [c.name for c in configs([20], [("turns", 5)], [0], key_scales=(None, 0.0, 0.5))][2:] \
+        == ["inject k=20 w=5 m=0", "inject k=20 w=5 m=0 unscaled", "inject k=20 w=5 m=0 scales^0.5"]

@@ -132,3 +132,10 @@ def test_key_factor_scales_runs_of_fact_tokens_only():
     assert torch.equal(scaled[:, :2], keys[:, :2]) and torch.equal(scaled[:, 5:], keys[:, 5:])
     assert torch.equal(scaled[0, 2:5], torch.full((3, 3, 4), 0.5))
     assert torch.equal(scaled[1, 2:5], torch.full((3, 3, 4), 2.0))
+
+
+@pytest.mark.parametrize("raw", ["-0.5", "1.5", "nan", "strong"])
+def test_default_strength_setting_refuses_values_outside_0_1(monkeypatch, raw):
+    monkeypatch.setenv("INFERSCALE_KEY_SCALE_STRENGTH", raw)
+    with pytest.raises(ValidationError, match="key_scale_strength"):
+        Settings()

@@ -32,19 +32,20 @@ def test_signed_plan_round_trips_and_any_tampering_is_refused():
     signed = sign(_plan(), SECRET)
     assert verify(json.loads(json.dumps(signed)), SECRET) == _plan()
     for key, value in (("fingerprint", "0" * 64), ("segments", []), ("sig", "0" * 64),
-                       ("key_scales", True)):
+                       ("key_scales", 1.0)):
         with pytest.raises(PlanError):
             verify({**signed, key: value}, SECRET)
     with pytest.raises(PlanError):
         verify(signed, "another secret")
 
 
-def test_key_scales_flag_is_signed_and_must_be_a_bool():
-    scaled = Plan("f" * 64, _plan().segments, key_scales=True)
-    assert verify(sign(scaled, SECRET), SECRET).key_scales is True
+def test_key_scale_strength_is_signed_and_must_be_a_number_in_0_1():
+    for strength in (1.0, 0.25, 0):
+        scaled = Plan("f" * 64, _plan().segments, key_scales=strength)
+        assert verify(json.loads(json.dumps(sign(scaled, SECRET))), SECRET).key_scales == strength
     body = {k: v for k, v in sign(_plan(), SECRET).items() if k not in ("sig", "key_scales")}
-    assert verify(_signed_body(body), SECRET).key_scales is False  # absent: not scaled
-    for value in (1, "true", None, [True]):
+    assert verify(_signed_body(body), SECRET).key_scales == 0  # absent: not scaled
+    for value in (True, 1.5, -0.1, "0.5", None, [1], float("nan"), float("inf")):
         with pytest.raises(PlanError, match="key_scales"):
             verify(_signed_body({**body, "key_scales": value}), SECRET)
 
@@ -74,7 +75,8 @@ def test_signed_malformed_plans_raise_plan_error_or_parse_typed(body):
         plan = verify(_signed_body(body), SECRET)
     except PlanError:
         return
-    assert isinstance(plan.fingerprint, str) and isinstance(plan.key_scales, bool)
+    assert isinstance(plan.fingerprint, str) and type(plan.key_scales) is float
+    assert 0 <= plan.key_scales <= 1
     for segment in plan.segments:
         assert isinstance(segment.name, str) and type(segment.start) is int
         assert all(type(t) is int for t in segment.token_ids)
