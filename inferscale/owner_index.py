@@ -12,6 +12,7 @@ budget, least recently used first out.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ import numpy as np
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from inferscale.db.queries import (
+    MemoryDelta,
     RetrievedFact,
     fact_embeddings,
     live_facts,
@@ -30,7 +32,7 @@ from inferscale.db.queries import (
 
 # pgvector's binary format: int16 dimensions, int16 unused, then big-endian float4s.
 _HEADER = np.dtype([("dim", ">i2"), ("unused", ">i2")])
-# Extra candidates read by id, so that facts retired since the version check leave k behind.
+# Extra candidates read by id, so that facts retired since the held copy was read leave k.
 SLACK = 8
 CATCH_UPS = 3
 
@@ -108,7 +110,8 @@ class OwnerIndex:
         owner = self._owners.get(user_id)
         if owner is None:
             owner = await self.current(user_id)
-        self._owners.move_to_end(user_id)
+        else:
+            self._owners.move_to_end(user_id)  # recently used
         for _ in range(CATCH_UPS):
             ids, distances = owner.nearest(query, k + SLACK)
             async with self._connect() as conn:
@@ -152,12 +155,12 @@ class OwnerIndex:
             held = cached.ids if cached is not None else np.zeros(0, np.int64)
             missing = np.setdiff1d(np.asarray(delta.ids, np.int64), held, assume_unique=True)
             fetched = await fact_embeddings(conn, missing.tolist()) if len(missing) else []
-        version = delta.version if len(fetched) == len(missing) else -1  # some deleted since
+        if len(fetched) != len(missing):  # some deleted since the ids were read
+            delta = dataclasses.replace(delta, version=-1)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            None, _append if appending else _rebuild, cached,
-            OwnerVectors(version, delta.inserted, delta.retired,
-                         np.asarray(delta.ids, np.int64), np.zeros((0, 0), np.float32)), fetched)
+        if appending:
+            return await loop.run_in_executor(None, _append, cached, delta, fetched)
+        return await loop.run_in_executor(None, _rebuild, cached, delta, fetched)
 
     def _keep(self, user_id: str, owner: OwnerVectors) -> None:
         self._owners[user_id] = owner
@@ -173,7 +176,7 @@ class OwnerIndex:
             yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
-def _append(cached: OwnerVectors, read: OwnerVectors, fetched: list[tuple[int, bytes]]
+def _append(cached: OwnerVectors, delta: MemoryDelta, fetched: list[tuple[int, bytes]]
             ) -> OwnerVectors:
     """``cached`` plus the facts stored since, in place past its rows where the buffer has room
     (searches holding ``cached`` read only its own rows)."""
@@ -188,18 +191,18 @@ def _append(cached: OwnerVectors, read: OwnerVectors, fetched: list[tuple[int, b
             buffer[:n] = cached.matrix
     if len(ids):
         buffer[n:total] = rows
-    return OwnerVectors(read.version, read.inserted, read.retired,
+    return OwnerVectors(delta.version, delta.inserted, delta.retired,
                         np.concatenate([cached.ids, ids]), buffer)
 
 
-def _rebuild(cached: OwnerVectors | None, read: OwnerVectors,
+def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta,
              fetched: list[tuple[int, bytes]]) -> OwnerVectors:
-    """The rows of ``read.ids``: those ``cached`` holds, plus the fetched embeddings."""
+    """The rows of ``delta.ids``: those ``cached`` holds, plus the fetched embeddings."""
     fetched_ids = np.asarray([i for i, _ in fetched], np.int64)
     fetched_rows = _unit(decode_vectors([blob for _, blob in fetched]))
     parts_ids, parts_rows = [fetched_ids], [fetched_rows]
     if cached is not None and len(cached.ids):
-        kept = np.isin(cached.ids, read.ids, assume_unique=True)
+        kept = np.isin(cached.ids, np.asarray(delta.ids, np.int64), assume_unique=True)
         parts_ids.insert(0, cached.ids[kept])
         parts_rows.insert(0, cached.matrix[kept])
     parts_rows = [rows for rows, ids in zip(parts_rows, parts_ids, strict=True) if len(ids)]
@@ -209,7 +212,7 @@ def _rebuild(cached: OwnerVectors | None, read: OwnerVectors,
     buffer = np.empty((_capacity(len(ids)), dim), np.float32)
     if len(ids):
         np.take(np.concatenate(parts_rows), order, axis=0, out=buffer[:len(ids)])
-    return OwnerVectors(read.version, read.inserted, read.retired, ids[order], buffer)
+    return OwnerVectors(delta.version, delta.inserted, delta.retired, ids[order], buffer)
 
 
 def _capacity(n: int) -> int:
