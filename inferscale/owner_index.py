@@ -6,7 +6,8 @@ fetches the facts stored since (ids above the last it holds; the counters prove 
 missed); else it re-reads the owner's live ids and fetches only the embeddings it lacks (a
 fact's embedding never changes); then it ranks again. Ranking is one matrix-vector product
 over the owner's unit vectors; rows are read by id, live only. Owners are kept within a byte
-budget, least recently used first out.
+budget, least recently used first out; an owner with more facts than the whole budget holds
+is ranked by Postgres instead (exact, slower: ~2.5 us per fact).
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ from inferscale.db.queries import (
     live_facts,
     memory_delta,
     memory_version,
+    top_k_facts,
 )
+from inferscale.db.tables import EMBEDDING_DIM
 
 # pgvector's binary format: int16 dimensions, int16 unused, then big-endian float4s.
 _HEADER = np.dtype([("dim", ">i2"), ("unused", ">i2")])
 # Extra candidates read by id, so that facts retired since the held copy was read leave k.
 SLACK = 8
 CATCH_UPS = 3
+ROW_BYTES = EMBEDDING_DIM * 4 + 8  # one fact's vector and id
 
 
 def decode_vectors(blobs: list[bytes]) -> np.ndarray:
@@ -113,6 +117,9 @@ class OwnerIndex:
         else:
             self._owners.move_to_end(user_id)  # recently used
         for _ in range(CATCH_UPS):
+            if owner is None:  # larger than the budget: Postgres ranks them
+                async with self._connect() as conn:
+                    return await top_k_facts(conn, user_id, query.tolist(), k)
             ids, distances = owner.nearest(query, k + SLACK)
             async with self._connect() as conn:
                 version, rows = await live_facts(conn, user_id, ids.tolist())
@@ -124,10 +131,14 @@ class OwnerIndex:
         return [RetrievedFact(distance=float(d), **rows[i])
                 for i, d in zip(ids.tolist(), distances.tolist(), strict=True) if i in rows][:k]
 
-    async def current(self, user_id: str) -> OwnerVectors:
-        """The owner's vectors at the memory version Postgres has now."""
+    async def current(self, user_id: str) -> OwnerVectors | None:
+        """The owner's vectors at the memory version Postgres has now (None: more facts than
+        the budget holds; they are searched in Postgres)."""
         async with self._connect() as conn:
-            version = await memory_version(conn, user_id)
+            version, live = await memory_version(conn, user_id)
+        if live * ROW_BYTES > self.max_bytes:
+            self._owners.pop(user_id, None)
+            return None
         cached = self._owners.get(user_id)
         if cached is not None and cached.version == version:
             self._owners.move_to_end(user_id)

@@ -216,6 +216,19 @@ async def test_least_recently_used_owners_leave_within_the_budget(engine):
     assert len(await index.search(owners[0], query, 5)) == 5  # reloaded when asked again
 
 
+async def test_an_owner_larger_than_the_budget_is_ranked_by_postgres(engine):
+    """More facts than the whole budget holds: never loaded, still exact."""
+    rng = np.random.default_rng(19)
+    owner = f"owner-{uuid.uuid4().hex[:6]}"
+    vectors = _unit(rng.standard_normal((50, 384)).astype(np.float32))
+    await _insert(engine, _rows(owner, vectors))
+    index = OwnerIndex(engine, max_bytes=49 * (384 * 4 + 8))
+    query = _unit(rng.standard_normal(384).astype(np.float32))
+    hits = await index.search(owner, query, 5)
+    assert [h.text for h in hits] == [f"{owner} {i}" for i in np.argsort(-(vectors @ query))[:5]]
+    assert index.nbytes == 0 and await index.current(owner) is None
+
+
 def test_nearest_takes_every_tie_at_the_boundary():
     """Pure ranking: ids of equal scores come in id order, whichever side of the partition."""
     ids = np.asarray([50, 10, 40, 20, 30], np.int64)

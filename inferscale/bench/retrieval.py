@@ -18,7 +18,7 @@ import numpy as np
 from sqlalchemy import delete, text, update
 
 from inferscale.bench.common import percentile, print_table, write_report
-from inferscale.db.queries import NewFact, upsert_facts
+from inferscale.db.queries import NewFact, top_k_facts, upsert_facts
 from inferscale.db.tables import facts
 from inferscale.embedder import Embedder, load_embedder
 from inferscale.frontend import MemoryOptions, _Runtime, compose
@@ -75,20 +75,11 @@ async def _store(engine, users: list[str], n: int, rng: np.random.Generator,
     return stored[0]
 
 
-# The server's search before the in-process index: the owner's rows ranked by pgvector in SQL.
-SQL_SEARCH = text("""
-    SELECT id, text, embedding <=> CAST(:vector AS vector) AS distance, token_ids, kv_location,
-           kv_checksum, kv_lead_checksum, model_fingerprint
-    FROM facts WHERE user_id = :user AND deleted_at IS NULL
-    ORDER BY distance, id LIMIT :k
-""")
-
-
 async def _sql_search(engine, user: str, vector: np.ndarray, k: int) -> list:
+    """The server's search before the in-process index (its fallback now): pgvector ranks."""
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        return (await conn.execute(SQL_SEARCH, {"vector": str(vector.tolist()), "user": user,
-                                                "k": k})).all()
+        return await top_k_facts(conn, user, vector.tolist(), k)
 
 
 async def _searches(search, facts_of_owner: np.ndarray, queries: np.ndarray, k: int

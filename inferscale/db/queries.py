@@ -85,12 +85,25 @@ async def upsert_facts(conn: AsyncConnection, rows: Sequence[NewFact]) -> int:
     return len((await conn.execute(stmt)).all())
 
 
-async def memory_version(conn: AsyncConnection, user_id: str) -> int:
-    """The owner's memory version (0: never had a fact); any change to which facts are live
-    bumps it (migration 0008)."""
-    version = await conn.scalar(select(memory_versions.c.version)
-                                .where(memory_versions.c.user_id == user_id))
-    return int(version or 0)
+async def memory_version(conn: AsyncConnection, user_id: str) -> tuple[int, int]:
+    """(the owner's memory version, about how many live facts they have); any change to which
+    facts are live bumps the version (migration 0008); (0, 0): never had a fact."""
+    row = (await conn.execute(select(
+        memory_versions.c.version, memory_versions.c.inserted - memory_versions.c.retired)
+        .where(memory_versions.c.user_id == user_id))).first()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+async def top_k_facts(conn: AsyncConnection, user_id: str, query_embedding: Sequence[float],
+                      k: int) -> list[RetrievedFact]:
+    """The owner's k live facts nearest to the query, ranked by pgvector (exact: the owner's
+    rows through ix_facts_user): for owners too large for a server's in-process index."""
+    distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
+    stmt = (select(facts.c.id, facts.c.text, distance, facts.c.token_ids, facts.c.kv_location,
+                   facts.c.kv_checksum, facts.c.kv_lead_checksum, facts.c.model_fingerprint)
+            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None))
+            .order_by(distance, facts.c.id).limit(k))
+    return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
 
 
 @dataclass(frozen=True)
