@@ -143,11 +143,12 @@ async def test_key_scales_apply_to_the_facts_of_requests_that_ask(tiny_served, s
     assert scaled.headers["x-inferscale-facts-injected"] == "1"
     _, logprobs_t = _tokens_and_logprobs(text)
     assert _max_diff(_tokens_and_logprobs(unscaled)[1], logprobs_t) < 1e-4
-    # the fact's keys at half their size: the question attends to it differently
+    # the fact's keys at 0.5 ** 0.75 of their size (the default strength): the question attends
+    # to it differently
     assert _max_diff(_tokens_and_logprobs(scaled)[1], logprobs_t) > 1e-3
     again = tiny_served.chat(user, question, k=1, **kwargs)  # its own prefix-cache blocks
     assert _max_diff(_tokens_and_logprobs(again)[1], _tokens_and_logprobs(scaled)[1]) < 1e-4
-    # a strength between: the keys at 0.5 ** 0.5 of their size, neither unscaled nor as fitted
+    # another strength: the keys at 0.5 ** 0.5 of their size, neither unscaled nor the default
     half = tiny_served.chat(user, question, k=1, key_scales=0.5, **kwargs)
     assert half.headers["x-inferscale-facts-injected"] == "1"
     assert _max_diff(_tokens_and_logprobs(half)[1], logprobs_t) > 1e-3
