@@ -145,7 +145,7 @@ class OwnerIndex:
             return cached
         async with self._locks.setdefault(user_id, asyncio.Lock()):
             cached = self._owners.get(user_id)  # a concurrent reload may have done it
-            if cached is None or cached.version < version:
+            if cached is None or cached.version != version:
                 cached = await self._reload(user_id, cached)
                 self._keep(user_id, cached)
         return cached

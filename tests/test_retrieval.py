@@ -1,6 +1,7 @@
 """Retrieval: the right fact first, never another user's, exact, and current with every change
 to the owner's memory (the in-process index against the real Postgres)."""
 
+import asyncio
 import dataclasses
 import random
 import uuid
@@ -42,7 +43,7 @@ async def _insert(engine, rows: list[NewFact]) -> None:
 
 async def _version(engine, user: str) -> int:
     async with engine.connect() as conn:
-        return await memory_version(conn, user)
+        return (await memory_version(conn, user))[0]
 
 
 @pytest.fixture
@@ -171,6 +172,31 @@ async def test_facts_stored_since_are_appended_and_late_ids_are_not_missed(engin
     assert late_id in third.ids.tolist() and len(third.ids) == 12
     assert {h.text for h in await index.search(owner, query, 2)} == {f"{owner} 50",
                                                                      f"{owner} 60"}
+
+
+async def test_an_owners_versions_grow_in_commit_order_under_concurrent_writers(engine):
+    """A writer that draws its version number while another transaction holds the owner's row
+    (it stored facts and goes on to retire one) must not commit a version below that one's:
+    a server holding the newer version would keep a copy without the waiting writer's facts."""
+    rng = np.random.default_rng(23)
+    owner = f"owner-{uuid.uuid4().hex[:6]}"
+    vectors = _unit(rng.standard_normal((3, 384)).astype(np.float32))
+    await _insert(engine, _rows(owner, vectors[:1]))
+
+    async def second_writer():
+        async with engine.begin() as conn:
+            await upsert_facts(conn, _rows(owner, vectors[2:], start=20))
+
+    async with engine.connect() as conn:
+        async with conn.begin():
+            await upsert_facts(conn, _rows(owner, vectors[1:2], start=10))  # holds the row
+            waiting = asyncio.create_task(second_writer())
+            await asyncio.sleep(0.5)  # it draws its number and waits for the row
+            await conn.execute(update(facts).where(facts.c.text == f"{owner} 0").values(
+                deleted_at=datetime.now(UTC)))
+            first = await memory_version(conn, owner)
+        await waiting
+    assert await _version(engine, owner) > first[0]
 
 
 async def test_a_fact_retired_after_the_index_read_the_owner_is_never_served(engine, index):

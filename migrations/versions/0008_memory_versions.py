@@ -39,11 +39,12 @@ BEGIN
             FROM new_rows n JOIN old_rows o ON o.id = n.id
             WHERE (n.deleted_at IS NULL) <> (o.deleted_at IS NULL) GROUP BY n.user_id) g;
     END IF;
-    -- owners in a fixed order: concurrent statements lock their version rows alike
+    -- owners in a fixed order: concurrent statements lock their version rows alike; an
+    -- existing row takes its number once locked, so an owner's versions grow in commit order
     INSERT INTO memory_versions AS m (user_id, version, inserted, retired)
     SELECT c.user_id, nextval('memory_version_seq'), c.inserted, c.retired
     FROM (SELECT * FROM unnest(changes) ORDER BY user_id) c
-    ON CONFLICT (user_id) DO UPDATE SET version = EXCLUDED.version,
+    ON CONFLICT (user_id) DO UPDATE SET version = nextval('memory_version_seq'),
         inserted = m.inserted + EXCLUDED.inserted, retired = m.retired + EXCLUDED.retired;
     RETURN NULL;
 END $$
