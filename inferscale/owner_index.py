@@ -13,11 +13,10 @@ is ranked by Postgres instead (exact, slower: ~2.5 us per fact).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -167,7 +166,7 @@ class OwnerIndex:
             missing = np.setdiff1d(np.asarray(delta.ids, np.int64), held, assume_unique=True)
             fetched = await fact_embeddings(conn, missing.tolist()) if len(missing) else []
         if len(fetched) != len(missing):  # some deleted since the ids were read
-            delta = dataclasses.replace(delta, version=-1)
+            delta = replace(delta, version=-1)
         loop = asyncio.get_running_loop()
         if appending:
             return await loop.run_in_executor(None, _append, cached, delta, fetched)

@@ -98,8 +98,8 @@ async def _searches(search, facts_of_owner: np.ndarray, queries: np.ndarray, k: 
 
 
 async def _server_path(rt, user: str, questions: list[str], k: int) -> dict:
-    """What the server does before vLLM sees a request: retrieval (query embedding overlapped
-    with the version check, ranking, the hits' rows), prompt composition and the signed plan."""
+    """What the server does before vLLM sees a request: retrieval (query embedding, ranking,
+    the hits' rows with the memory version), prompt composition and the signed plan."""
     total, retrieval = [], []
     for i, question in enumerate(questions):
         messages = [{"role": "user", "content": question}]
