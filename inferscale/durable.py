@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy
+
 from inferscale import failpoints
 from inferscale.procs import pid_alive
 
@@ -57,8 +59,9 @@ def valid_location(location: str) -> bool:
 class Durable(ABC):
     """Blobs by location; a written blob is visible whole or not at all."""
 
-    def read(self, location: str) -> bytes:
-        """The blob's bytes; ``BlobMissing`` when there is none."""
+    def read(self, location: str) -> bytes | memoryview:
+        """The blob's bytes (a writable buffer where the backend fills one in place);
+        ``BlobMissing`` when there is none."""
         if not valid_location(location):
             raise BlobMissing(location, "not a blob location")
         return self._read(location)
@@ -100,7 +103,7 @@ class Durable(ABC):
         """Remove what writers that died mid-write left; returns how many."""
 
     @abstractmethod
-    def _read(self, location: str) -> bytes: ...
+    def _read(self, location: str) -> bytes | memoryview: ...
 
     @abstractmethod
     def _write(self, location: str, data: bytes) -> None: ...
@@ -119,9 +122,16 @@ class LocalDir(Durable):
     def __init__(self, root: Path):
         self.root = Path(root)
 
-    def _read(self, location: str) -> bytes:
+    def _read(self, location: str) -> memoryview:
+        """The file read straight into one uninitialised buffer (``read_bytes`` grows its result
+        chunk by chunk, ``bytearray`` zeroes it first: 5x as long for a ~1 MB blob)."""
         try:
-            return (self.root / location).read_bytes()
+            with (self.root / location).open("rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buffer = memoryview(numpy.empty(size, dtype=numpy.uint8))
+                if f.readinto(buffer) != size or f.read(1):
+                    raise OSError(errno.EIO, f"{location} changed size while it was read")
+                return buffer
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise BlobMissing(location, "no such blob") from None
 

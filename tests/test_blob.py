@@ -1,4 +1,5 @@
-"""The blob codec: BLAKE3 checksums, and blobs written with sha256 before it still verify."""
+"""The blob codec: BLAKE3 checksums, blobs written with sha256 before it still verify, blobs read
+in place, and malformed or damaged blobs are refused with an error."""
 
 import hashlib
 import json
@@ -7,6 +8,8 @@ import struct
 import pytest
 import torch
 from blake3 import blake3
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save
 
 from inferscale.blob import CHECKSUM_ALGORITHM, blob_checksum, decode_blob, encode_blob
@@ -61,3 +64,83 @@ def test_a_blob_whose_algorithm_was_changed_is_refused(algorithm):
     else:
         with pytest.raises(ValueError, match="unknown checksum algorithm"):
             decode_blob(forged)  # the store reports it unreadable (ChecksumMismatch)
+
+
+def _header(raw: bytes) -> tuple[dict, bytes]:
+    header_len = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + header_len]), raw[8 + header_len:]
+
+
+def _with_header(header: dict, body: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + body
+
+
+def test_a_writable_buffer_is_decoded_in_place_and_bytes_are_copied_once():
+    raw, checksum = encode_blob(*_kv(), [1, 2, 3, 4], "f" * 64, window=0)
+    buffer = bytearray(raw)
+    blob, verified = decode_blob(buffer)
+    assert verified == checksum
+    start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    assert start <= blob.k.data_ptr() < start + len(buffer)  # a view, not a copy
+    copied, _ = decode_blob(raw)
+    assert torch.equal(copied.k, blob.k) and torch.equal(copied.v, blob.v)
+
+
+def _forgeries() -> list[tuple[str, bytes]]:
+    raw, _ = encode_blob(*_kv(), [1, 2, 3, 4], "f" * 64, window=0)
+    header, body = _header(raw)
+
+    def edit(change) -> bytes:
+        forged = json.loads(json.dumps(header))
+        change(forged)
+        return _with_header(forged, body)
+
+    return [
+        ("empty", b""),
+        ("short", raw[:7]),
+        ("header longer than the blob", struct.pack("<Q", 1 << 40) + raw[8:]),
+        ("header not JSON", struct.pack("<Q", 4) + b"{{{{" + body),
+        ("header a list", _with_header([], body)),  # type: ignore[arg-type]
+        ("a tensor missing", edit(lambda h: h.pop("v"))),
+        ("an extra tensor", edit(lambda h: h.update(x=h["k"]))),
+        ("unknown dtype", edit(lambda h: h["k"].update(dtype="F8_E4M3"))),
+        ("offsets past the end", edit(lambda h: h["v"].update(
+            data_offsets=[h["v"]["data_offsets"][0], len(body) + 2]))),
+        ("negative offset", edit(lambda h: h["k"].update(data_offsets=[-2, 126]))),
+        ("shape larger than its bytes", edit(lambda h: h["k"].update(shape=[2, 4, 2, 9]))),
+        ("shape not a list", edit(lambda h: h["k"].update(shape="2,4,2,8"))),
+        ("float dimension", edit(lambda h: h["k"].update(shape=[2.0, 4, 2, 8]))),
+        ("misaligned tensor", edit(lambda h: h["token_ids"].update(
+            data_offsets=[h["token_ids"]["data_offsets"][0] - 1,
+                          h["token_ids"]["data_offsets"][1] - 1]))),
+        ("metadata a list", edit(lambda h: h.update(__metadata__=[]))),
+        ("no fingerprint", edit(lambda h: h["__metadata__"].pop("fingerprint"))),
+        ("token ids as floats", edit(lambda h: h["token_ids"].update(dtype="F32"))),
+        ("k and v shapes differ", edit(lambda h: h["v"].update(
+            shape=[4, 2, 2, 8]))),
+    ]
+
+
+@pytest.mark.parametrize(("case", "raw"), _forgeries(), ids=[c for c, _ in _forgeries()])
+def test_a_malformed_blob_is_refused_with_an_error_never_read_out_of_bounds(case, raw):
+    with pytest.raises(Exception) as error:  # the store reports any of them as unreadable
+        decode_blob(raw)
+    assert isinstance(error.value, (ValueError, KeyError, TypeError, RuntimeError)), case
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_a_damaged_blob_decodes_unverified_or_raises(data):
+    raw, checksum = encode_blob(*_kv(), [1, 2, 3, 4], "f" * 64, window=0)
+    damaged = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        damaged[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    damaged = damaged[:data.draw(st.integers(0, len(raw)))] if data.draw(st.booleans()) else damaged
+    try:
+        blob, verified = decode_blob(damaged)
+    except (ValueError, KeyError, TypeError, RuntimeError):
+        return
+    assert verified in (None, checksum)
+    if verified == checksum:  # only damage outside the tensors can leave the digest intact
+        assert torch.equal(blob.k, _kv()[0]) and blob.token_ids == [1, 2, 3, 4]

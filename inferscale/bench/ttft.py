@@ -36,11 +36,16 @@ async def _ask(client: httpx.AsyncClient, url: str, user: str, question: str, mo
                ) -> tuple[ChatResult, dict, dict]:
     """One timed request and the server's metrics just before and after it. ``prefix-hit``
     first sends the text prompt once with a salt (not counted), then again with the same salt:
-    vLLM's own prefix cache serves the second."""
-    salt, mode = None, mode.removesuffix("-disk")
+    vLLM's own prefix cache serves the second. ``inject`` first sends the question once with
+    another salt (not counted): its facts are then in the host tier, not in vLLM's prefix cache,
+    so the timed request injects them all from host memory. ``inject-disk`` is not primed."""
+    salt = None
     if mode == "prefix-hit":
         salt = uuid.uuid4().hex
         await stream_chat(client, url, user, question, "text", k, max_tokens=1, salt=salt)
+    elif mode == "inject":
+        await stream_chat(client, url, user, question, mode, k, max_tokens=1)
+    mode = mode.removesuffix("-disk")
     before = await scrape(client, url)
     result = await stream_chat(client, url, user, question,
                                "text" if mode == "prefix-hit" else mode, k, salt=salt)
