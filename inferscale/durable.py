@@ -123,8 +123,8 @@ class LocalDir(Durable):
         self.root = Path(root)
 
     def _read(self, location: str) -> memoryview:
-        """The file read straight into one uninitialised buffer (``read_bytes`` grows its result
-        chunk by chunk, ``bytearray`` zeroes it first: 5x as long for a ~1 MB blob)."""
+        """The file read with one copy into an uninitialised buffer, which the decoded tensors
+        then view (``bytearray`` would zero it first; ``read_bytes`` gives immutable bytes)."""
         try:
             with (self.root / location).open("rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
