@@ -90,7 +90,8 @@ def _views(raw: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor]
     if not isinstance(header, dict) or set(header) - {"__metadata__"} != set(_TENSORS):
         raise ValueError(f"expected exactly the tensors {list(_TENSORS)}")
     body = buffer[8 + header_len:]
-    data = torch.frombuffer(body, dtype=torch.uint8) if body.nbytes else torch.empty(0)
+    data = torch.frombuffer(body, dtype=torch.uint8) if body.nbytes else torch.empty(
+        0, dtype=torch.uint8)
     tensors = {}
     for name in _TENSORS:
         entry = header[name]

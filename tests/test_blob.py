@@ -23,8 +23,7 @@ def _kv(tokens=4):
 
 
 def _metadata(raw: bytes) -> dict:
-    header_len = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + header_len])["__metadata__"]
+    return _header(raw)[0]["__metadata__"]
 
 
 def test_new_blobs_carry_a_blake3_checksum_of_their_tensors():
