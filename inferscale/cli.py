@@ -326,12 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", nargs="+", default=["oracle", "turns", "neighbours"],
                    help="drift: encoding strategies (name or name@w): oracle, oracle-local, "
                         "none, turns, neighbours, neighbours-first, neighbours-time, "
-                        "neighbours-len, "
-                        "neighbours-avg, neighbours-rand, neighbours-select, "
-                        "neighbours-all, coret, stream; '-pos0' suffix: the first fact served "
-                        "uses its preamble-only encoding; '+scales': the facts' keys scaled "
-                        "by the key scales (INFERSCALE_KEY_SCALES); '/first<b>', '/blend<r>', "
-                        "'/random<r>': selective recompute after injection")
+                        "neighbours-len, neighbours-avg, neighbours-rand, neighbours-select, "
+                        "neighbours-all, neighbours-backfill, coret, stream; '-pos0' suffix: "
+                        "the first fact served uses its preamble-only encoding; '+scales': "
+                        "the facts' keys scaled by the key scales (INFERSCALE_KEY_SCALES); "
+                        "'/first<b>', '/blend<r>', '/random<r>': selective recompute after "
+                        "injection")
     p.add_argument("--threads", type=int, default=2, help="drift: torch CPU threads")
     p.add_argument("--name", default="drift", help="drift: report name (<out>/<name>.json)")
     p.add_argument("--anchor", help="drift: a fixed memory line after the preamble (layout "

@@ -183,6 +183,10 @@ def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int =
         "neighbours-rand": lambda f, p: rand(f),
         "neighbours-select": lambda f, p: [_select(m, f, p, [(), *bands(f)], w)],
         "neighbours-all": lambda f, p: [m.neighbours(f, w, among=range(len(m.texts)))],
+        # a fact stored with fewer than w earlier facts is encoded again once its user has 3w
+        # facts, after its w nearest among those (later facts too); the others as neighbours
+        "neighbours-backfill": lambda f, p: [m.neighbours(
+            f, w, among=range(min(len(m.texts), 3 * w)) if f < w else None)],
         # facts encoded in blocks of w, in storage order, each block after the one before it:
         # every fact sees the 0..w-1 earlier facts of its block and the w before (2x the tokens)
         "stream": lambda f, p: [tuple(range(max(0, f // w * w - w), f))],
