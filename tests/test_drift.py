@@ -74,6 +74,23 @@ def test_strategies_use_earlier_facts_only_and_share_encodings(tiny_models):
     torch.testing.assert_close(joint_k, alone.kv[(2, (0, 1))][0], rtol=1e-5, atol=1e-5)
 
 
+def test_backfill_gives_a_users_first_facts_later_neighbours(tiny_models):
+    """neighbours-backfill@w: facts stored before w earlier facts existed take their w nearest
+    among the user's first 3w facts, later ones included; every other fact keeps neighbours@w."""
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    memory = _memory(encoder)
+    backfill = make_strategy("neighbours-backfill@2", memory, 5, k=4)
+    neighbours = make_strategy("neighbours@2", memory, 5, k=4)
+    for fact in range(len(SAID)):
+        [context] = backfill.contexts(fact, (6,))
+        if fact < 2:
+            assert len(context) == 2 and fact not in context and max(context) > fact
+            assert context == memory.neighbours(fact, 2, among=range(6))
+            assert all(i < 6 for i in context)
+        else:
+            assert [context] == neighbours.contexts(fact, (6,))
+
+
 def test_recomputing_every_fact_token_equals_text_prefill(tiny_models):
     """Selective recompute: prefilling memory positions again at their own positions, with
     their injected entries masked out, converges to text prefill when every fact token is
