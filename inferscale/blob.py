@@ -30,6 +30,7 @@ class KVBlob:
     token_ids: list[int]
     fingerprint: str
     window: int
+    checksum: str | None = None  # of its content, verified when it was read
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +120,7 @@ def decode_blob(raw: bytes | bytearray | memoryview) -> tuple[KVBlob, str | None
         raise ValueError(f"inconsistent shapes k={tuple(k.shape)} v={tuple(v.shape)} "
                          f"token_ids={tuple(ids.shape)}")
     checksum = blob_checksum(k, v, ids, metadata.get("checksum_algorithm", "sha256"))
+    verified = checksum if checksum == metadata["checksum"] else None
     blob = KVBlob(k=k, v=v, token_ids=ids.tolist(), fingerprint=str(metadata["fingerprint"]),
-                  window=int(metadata["window"]))
-    return blob, checksum if checksum == metadata["checksum"] else None
+                  window=int(metadata["window"]), checksum=verified)
+    return blob, verified

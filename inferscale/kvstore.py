@@ -5,7 +5,9 @@ the preamble alone, stored next to it; or "preamble") and encoded by ``inferscal
 callers use names (``exists``, ``put``, ``load``) or the locations recorded in Postgres
 (``get``, ``get_many``), never paths. Evicting or deleting a fact's blob takes its lead blob
 with it. The durable tier (``inferscale.durable``: a directory or a bucket)
-makes writes atomic; checksum and fingerprint are verified when a blob is paged in from it.
+makes writes atomic; checksum and fingerprint are verified when a blob is paged in from it. A
+blob may be rewritten under its name (a fact encoded again): a memory tier serves its copy only
+to a reader that expects that copy's checksum (or none), others page the new blob in.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -179,18 +181,21 @@ class KVStore:
     def _on_device(self, location: str, blob: KVBlob) -> KVBlob:
         if self.hot is None:
             return blob
-        blob = KVBlob(k=blob.k.to(self.device, non_blocking=True),
-                      v=blob.v.to(self.device, non_blocking=True),
-                      token_ids=blob.token_ids, fingerprint=blob.fingerprint, window=blob.window)
+        blob = replace(blob, k=blob.k.to(self.device, non_blocking=True),
+                       v=blob.v.to(self.device, non_blocking=True))
         self.hot.put(location, blob)
         return blob
 
-    def _from_memory(self, location: str) -> KVBlob | None:
-        """The blob from the device or host cache (moved to the device), or None."""
-        if self.hot is not None and (blob := self.hot.get(location)) is not None:
+    def _from_memory(self, location: str, expected_checksum: str | None) -> KVBlob | None:
+        """The blob from the device or host cache (moved to the device), or None (also when the
+        copy there is not the version expected)."""
+        def current(blob: KVBlob | None) -> bool:
+            return blob is not None and expected_checksum in (None, blob.checksum)
+
+        if self.hot is not None and current(blob := self.hot.get(location)):
             return blob
         blob = self.host.get(location)
-        return None if blob is None else self._on_device(location, blob)
+        return self._on_device(location, blob) if current(blob) else None
 
     def _page_in(self, location: str, expected_checksum: str | None) -> KVBlob:
         """The blob from the durable tier (verified), cached in host RAM. Thread-safe: device
@@ -202,7 +207,7 @@ class KVStore:
 
     def get(self, location: str, expected_checksum: str | None = None) -> KVBlob:
         """The blob on this store's device: device cache -> host cache -> durable (verified)."""
-        blob = self._from_memory(location)
+        blob = self._from_memory(location, expected_checksum)
         return blob if blob is not None else self._on_device(
             location, self._page_in(location, expected_checksum))
 
@@ -212,7 +217,8 @@ class KVStore:
         page-in has ended when it returns; the error of the first blob that failed is raised."""
         if len(locations) != len(checksums):
             raise ValueError(f"{len(locations)} locations but {len(checksums)} checksums")
-        blobs = [self._from_memory(location) for location in locations]
+        blobs = [self._from_memory(location, checksum)
+                 for location, checksum in zip(locations, checksums, strict=True)]
         misses: dict[tuple[str, str | None], Future[KVBlob]] = {}
         for location, checksum, blob in zip(locations, checksums, blobs, strict=True):
             if blob is None and (location, checksum) not in misses:

@@ -119,6 +119,11 @@ class Settings(BaseSettings):
     # Neighbours halve the drift from text prefill on LoCoMo, and 10 of them beat 5, most at
     # k = 50 (README, "Answer fidelity").
     encode_context: Literal["turns", "neighbours"] = "neighbours"
+    # Early-fact backfill (neighbours only): a fact stored before its user had ``window`` earlier
+    # facts is encoded after its nearest among the user's first 3 x ``window`` facts once the
+    # user has that many (again, if it was encoded before); served after 19 others, the first
+    # facts drifted most (README, "Answer fidelity").
+    encode_backfill: bool = True
     # Lead encoding: the worker also stores each fact's KV encoded after the preamble alone, and
     # the server injects it for the fact it serves first (right after the preamble, where that
     # encoding is exact) unless a request says "lead": false. Twice the KV bytes per fact.

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
 from inferscale import infra, migrate
-from inferscale.db.queries import count_pending_facts
+from inferscale.db.queries import count_backfill_facts, count_pending_facts
 from inferscale.db.tables import turns
 from inferscale.model_prep import resolve_model_path
 from inferscale.settings import Settings, settings_env
@@ -87,7 +87,8 @@ async def wait_encoded(engine: AsyncEngine, user: str, turns_expected: int,
                        settings: Settings | None = None, timeout_s: float = 1800,
                        progress: bool = True) -> float:
     """Wait until ``turns_expected`` turns of ``user`` are stored and extracted and no live
-    fact of theirs waits for KV (any number of facts per turn); returns the seconds waited."""
+    fact of theirs waits for KV or for backfill (any number of facts per turn); returns the
+    seconds waited."""
     s = settings or Settings()
     started = time.monotonic()
     with tqdm(total=turns_expected, desc="turns extracted", unit="turn",
@@ -98,6 +99,7 @@ async def wait_encoded(engine: AsyncEngine, user: str, turns_expected: int,
                     turns.c.user_id == user, turns.c.extracted_at.is_not(None)))
                 waiting = await count_pending_facts(conn, s.encode_max_attempts,
                                                     s.encode_max_crashes, user)
+                waiting += await count_backfill_facts(conn, s.encode_max_crashes, user)
             bar.update(extracted - bar.n)
             bar.set_postfix(facts_waiting_for_kv=waiting)
             if extracted >= turns_expected and not waiting:

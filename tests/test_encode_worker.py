@@ -16,9 +16,12 @@ from helpers import extract_all, sample_turns, turn
 from inferscale import failpoints
 from inferscale.db.queries import (
     PendingFact,
+    claim_backfill_facts,
     claim_pending_facts,
+    count_backfill_facts,
     count_pending_facts,
     count_user_rows,
+    mark_backfill_due,
     quarantine_crashed_facts,
     record_encode_failure,
 )
@@ -249,6 +252,78 @@ async def test_encode_errors_are_retried_a_bounded_number_of_times(settings, eng
     assert (await EncodeWorker(settings, engine, crashing, store).run(drain=True)).failed == 0
 
 
+def _nearest_last(row, among, n):
+    """The ``n`` rows of ``among`` nearest to ``row`` (ties by id), as texts, nearest last."""
+    ranked = sorted((r for r in among if r.id != row.id),
+                    key=lambda r: (_cosine_distance(r.embedding, row.embedding), r.id))
+    return [r.text for r in ranked[:n]][::-1]
+
+
+async def test_early_facts_are_encoded_again_once_their_user_has_3w_facts(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 2})
+    turns, plain = sample_turns()[:6], sample_turns()[:6]
+    user = turns[0].user_id
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
+    await _ingest(settings, engine, embedder, turns[:3])
+    first = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    before = await _user_facts(engine, user)
+    assert [r.context_facts for r in before] == [0, 1, 2] and first.reencoded == 0
+    assert not any(r.backfill_due for r in before) and before[0].kv_lead_checksum is None
+    for row in before:  # a server's memory tier holds the first versions
+        store.get(row.kv_location, row.kv_checksum)
+    await _ingest(settings, engine, embedder, turns[3:])
+    async with engine.begin() as conn:  # 6 = 3w live facts: the two early ones are due
+        assert await mark_backfill_due(conn, [user], 2) == 2
+        assert await count_backfill_facts(conn, 3, user) == 2
+        await conn.rollback()
+    second = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert (second.encoded, second.reencoded, second.failed) == (3 + 2, 2, 0)
+    rows = await _user_facts(engine, user)
+    assert [r.context_facts for r in rows] == [2] * 6 and not any(r.backfill_due for r in rows)
+    for old, row in zip(before, rows[:3], strict=True):
+        assert row.kv_location == old.kv_location
+        assert (row.kv_checksum != old.kv_checksum) == (old.context_facts < 2)
+    for row in rows[:2]:  # after its 2 nearest among the user's first 6 facts, nearest last
+        expected = tiny_encoder.encode([tiny_encoder.fact_item(row.text,
+                                                               _nearest_last(row, rows, 2))])[0]
+        served = store.load(str(row.id), row.kv_checksum)  # not the old copy held in memory
+        assert torch.allclose(served.k.float(), expected.k.float(), atol=1e-4)
+        assert torch.allclose(served.v.float(), expected.v.float(), atol=1e-4)
+        assert store.load(lead_name(row.id), row.kv_lead_checksum).token_ids == row.token_ids
+    assert (await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)).encoded == 0
+    # Facts stored after 3w are encoded after full context at once; switched off, no backfill.
+    off = settings.model_copy(update={"encode_backfill": False})
+    await _ingest(off, engine, embedder, plain)
+    assert (await EncodeWorker(off, engine, tiny_encoder, store).run(drain=True)).reencoded == 0
+    assert [r.context_facts for r in await _user_facts(engine, plain[0].user_id)] == [
+        0, 1, 2, 2, 2, 2]
+
+
+async def test_a_failed_reencoding_keeps_the_facts_kv_and_is_not_retried(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 1, "encode_retry_base_s": 60})
+    turns = sample_turns()[:3]
+    user = turns[0].user_id
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
+    await _ingest(settings, engine, embedder, turns[:1])
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    (encoded,) = await _user_facts(engine, user)
+    await _ingest(settings, engine, embedder, turns[1:])
+    stats = await EncodeWorker(settings, engine, _CrashingEncoder(tiny_encoder), store).run(
+        drain=True)
+    assert stats.failed == 2 + 1  # the two new facts, then the early one's re-encoding
+    row = (await _user_facts(engine, user))[0]
+    assert (row.kv_location, row.kv_checksum) == (encoded.kv_location, encoded.kv_checksum)
+    assert row.encode_error == "encode: RuntimeError: forward pass failed" and row.backfill_due
+    assert store.get(row.kv_location, row.kv_checksum).token_ids == row.token_ids
+    async with engine.connect() as conn:
+        assert await count_backfill_facts(conn, 3, user) == 0
+    async with engine.begin() as conn:
+        assert row.id not in {f.id for f in await claim_backfill_facts(conn, 100, 1, 60, 3)}
+        await conn.rollback()
+
+
 async def test_forget_removes_user_everywhere_and_spares_others(settings, engine, embedder,
                                                                 tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"window": 2})
@@ -260,7 +335,8 @@ async def test_forget_removes_user_everywhere_and_spares_others(settings, engine
     for row in victim_rows:
         store.get(row.kv_location)  # warm the host tier too
     forgotten = await forget_user(engine, store, victim)
-    assert forgotten.facts == 6 and forgotten.blobs == 6 + 5  # and 5 lead blobs
+    # and a lead blob each: with 3w facts the first one, too, is encoded after context
+    assert forgotten.facts == 6 and forgotten.blobs == 6 + 6
     async with engine.connect() as conn:
         assert await count_user_rows(conn, victim) == (0, 0)
         assert await count_user_rows(conn, other) == (6, 6)

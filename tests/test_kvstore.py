@@ -124,3 +124,20 @@ def test_damaged_blobs_are_refused_with_a_blob_error_only(tmp_path, edits, cut):
     except KVBlobError:
         return
     assert torch.equal(blob.k, k) and torch.equal(blob.v, -k) and blob.token_ids == [5, 6, 7]
+
+
+def test_a_rewritten_blob_is_served_only_under_the_checksum_expected(tmp_path):
+    """A fact encoded again keeps its name: a memory copy of the old version never answers a
+    reader that expects the new checksum, and a reader of the old one is refused once the
+    durable blob is the new one."""
+    server = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    worker = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
+    old = worker.put("7", *_kv(seed=1), [1] * 5, window=2)
+    assert torch.equal(server.get(old.location, old.checksum).k, _kv(seed=1)[0])  # held now
+    new = worker.put("7", *_kv(seed=2), [1] * 5, window=2)
+    assert new.location == old.location and new.checksum != old.checksum
+    assert torch.equal(server.load_many(["7"], [new.checksum])[0].k, _kv(seed=2)[0])
+    assert server.host.get(new.location).checksum == new.checksum  # the new copy replaced it
+    assert torch.equal(server.get(new.location).k, _kv(seed=2)[0])  # no expectation: any copy
+    with pytest.raises(ChecksumMismatch):
+        server.get(old.location, old.checksum)

@@ -6,6 +6,11 @@ bad fact cannot block others, and every failure is recorded with its reason and 
 an exponential backoff (a bounded number of times, except durable-tier errors, which are
 retried until they clear). A fact whose encoding kills its worker (OOM, segfault) is claimed
 alone after the first death and quarantined after ``encode_max_crashes`` deaths.
+
+Early-fact backfill (``encode_backfill``, neighbours context): when nothing is pending, facts
+marked because their user now has 3 x ``window`` facts are encoded again after a full context.
+Their blob is replaced in place (same name, new checksum): servers page the new one in, since a
+memory tier serves a blob only under the checksum the plan expects.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from inferscale import failpoints
 from inferscale.db.queries import (
     STORAGE_FAILURE,
     PendingFact,
+    claim_backfill_facts,
     claim_pending_facts,
+    mark_backfill_due,
     quarantine_crashed_facts,
     record_encode_failure,
     record_encoded,
@@ -61,6 +68,7 @@ class EncodeStats:
     """Counters of one encode stage."""
 
     encoded: int = 0
+    reencoded: int = 0  # of those, facts encoded again after a wider context (backfill)
     failed: int = 0
     batches: int = 0
 
@@ -117,14 +125,24 @@ class EncodeWorker(BatchStage):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), busy_s * (1 - duty) / duty)
 
+    @property
+    def _backfill(self) -> bool:
+        s = self.settings
+        return s.encode_backfill and s.encode_context == "neighbours" and s.window > 0
+
     async def encode_pending(self) -> int:
-        """Encode one batch of pending facts; returns how many facts it handled."""
+        """Encode one batch of pending facts (when none are pending, of facts due for
+        backfill); returns how many facts it handled."""
         s = self.settings
         async with self.engine.begin() as conn:
             quarantined = await quarantine_crashed_facts(conn, s.encode_max_crashes)
             pending = await claim_pending_facts(conn, s.encode_batch_size, s.window,
                                                 s.encode_max_attempts, s.encode_lease_s,
-                                                s.encode_max_crashes, s.encode_context)
+                                                s.encode_max_crashes, s.encode_context,
+                                                self._backfill)
+            if not pending and self._backfill:
+                pending = await claim_backfill_facts(conn, s.encode_batch_size, s.window,
+                                                     s.encode_lease_s, s.encode_max_crashes)
         if quarantined:
             log.error("quarantined facts %s: workers died %d times while encoding each (they "
                       "are served as text)", quarantined, s.encode_max_crashes)
@@ -136,11 +154,13 @@ class EncodeWorker(BatchStage):
         if done:
             log.info("wrote KV for %d facts", len(done),
                      extra={"fact_ids": [row["id"] for row in done]})
-        gone = await retry_transient(lambda: self._record(done, failures), self._db_retry)
+        users = sorted({fact.user_id for fact in pending})
+        gone = await retry_transient(lambda: self._record(done, failures, users), self._db_retry)
         if gone:  # their user was forgotten meanwhile: leave no KV of theirs behind
             await loop.run_in_executor(None, self.store.delete, [r["location"] for r in gone])
         self.stats.batches += 1
         self.stats.encoded += len(done) - len(gone)
+        self.stats.reencoded += sum(r["reencode"] for r in done) - sum(r["reencode"] for r in gone)
         self.stats.failed += len(failures)
         observe.FACTS_ENCODED.inc(len(done) - len(gone))
         observe.ENCODE_FAILURES.inc(len(failures))
@@ -148,15 +168,18 @@ class EncodeWorker(BatchStage):
             log.warning("encode failed for %d facts: %s", len(failures), failures[0][1])
         return len(pending)
 
-    async def _record(self, done: list[dict], failures: list[tuple[PendingFact, str]]
-                      ) -> list[dict]:
-        """Commit the batch's outcomes (ending its leases); returns the rows of deleted facts."""
+    async def _record(self, done: list[dict], failures: list[tuple[PendingFact, str]],
+                      users: list[str]) -> list[dict]:
+        """Commit the batch's outcomes (ending its leases) and mark the batch's users' early
+        facts for backfill where due; returns the rows of deleted facts."""
         s = self.settings
         async with self.engine.begin() as conn:
             gone = await record_encoded(conn, done)
             for fact, error in failures:
                 await record_encode_failure(conn, fact, error, s.encode_retry_base_s,
                                             s.encode_retry_max_s)
+            if self._backfill:
+                await mark_backfill_due(conn, users, s.window)
             failpoints.hit("encode.before_db_commit")
         return gone
 
@@ -202,7 +225,8 @@ class EncodeWorker(BatchStage):
                 continue
             rows.append({
                 "id": fact.id, "claim": fact.claim, "token_ids": span.token_ids,
-                "window": self.settings.window, "fingerprint": self.store.fingerprint,
+                "window": self.settings.window, "context_facts": len(fact.context),
+                "reencode": fact.reencode, "fingerprint": self.store.fingerprint,
                 "location": stored.location, "nbytes": stored.nbytes, "checksum": stored.checksum,
                 "lead_checksum": stored_lead.checksum if stored_lead else None,
             })

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pgvector.sqlalchemy import Vector
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Integer,
@@ -54,6 +55,8 @@ facts = Table(
     Column("token_ids", ARRAY(Integer)),
     Column("token_count", Integer),
     Column("window", Integer),
+    Column("context_facts", Integer),  # how many facts its KV was encoded after
+    Column("backfill_due", Boolean, nullable=False, server_default="false"),  # re-encode it
     Column("model_fingerprint", String(64)),
     Column("kv_location", Text),
     Column("kv_bytes", BigInteger),
