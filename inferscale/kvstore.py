@@ -81,9 +81,12 @@ class ByteLRU:
         self._items: OrderedDict[str, KVBlob] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> KVBlob | None:
+    def get(self, key: str, checksum: str | None = None) -> KVBlob | None:
+        """The blob held under ``key`` (with ``checksum``: only if it is that version)."""
         with self._lock:
             blob = self._items.get(key)
+            if blob is not None and checksum not in (None, blob.checksum):
+                blob = None
             if blob is not None:
                 self._items.move_to_end(key)
         KV_METRICS.cache_lookups.labels(self.tier, "hit" if blob else "miss").inc()
@@ -189,13 +192,11 @@ class KVStore:
     def _from_memory(self, location: str, expected_checksum: str | None) -> KVBlob | None:
         """The blob from the device or host cache (moved to the device), or None (also when the
         copy there is not the version expected)."""
-        def current(blob: KVBlob | None) -> bool:
-            return blob is not None and expected_checksum in (None, blob.checksum)
-
-        if self.hot is not None and current(blob := self.hot.get(location)):
+        if self.hot is not None and (
+                blob := self.hot.get(location, expected_checksum)) is not None:
             return blob
-        blob = self.host.get(location)
-        return self._on_device(location, blob) if current(blob) else None
+        blob = self.host.get(location, expected_checksum)
+        return None if blob is None else self._on_device(location, blob)
 
     def _page_in(self, location: str, expected_checksum: str | None) -> KVBlob:
         """The blob from the durable tier (verified), cached in host RAM. Thread-safe: device
