@@ -98,7 +98,9 @@ def test_encode_dtype_setting_picks_the_compute_dtype(tiny_models):
                                  {"fact_order": "random"}, {"recompute_tail": "two"},
                                  {"encode_context": "similar"}, {"encode_context": 1},
                                  {"window": -1}, {"window": "five"},
-                                 {"lead_encoding": "sometimes"}, {"lead_encoding": [1]}])
+                                 {"lead_encoding": "sometimes"}, {"lead_encoding": [1]},
+                                 {"encode_backfill": "later"}, {"encode_backfill": 2},
+                                 {"encode_backfill": None}])
 def test_fidelity_settings_refuse_bad_values(bad):
     from pydantic import ValidationError
 
