@@ -160,7 +160,9 @@ class EncodeWorker(BatchStage):
             await loop.run_in_executor(None, self.store.delete, [r["location"] for r in gone])
         self.stats.batches += 1
         self.stats.encoded += len(done) - len(gone)
-        self.stats.reencoded += sum(r["reencode"] for r in done) - sum(r["reencode"] for r in gone)
+        reencoded = sum(r["reencode"] for r in done) - sum(r["reencode"] for r in gone)
+        self.stats.reencoded += reencoded
+        observe.FACTS_REENCODED.inc(reencoded)
         self.stats.failed += len(failures)
         observe.FACTS_ENCODED.inc(len(done) - len(gone))
         observe.ENCODE_FAILURES.inc(len(failures))

@@ -20,6 +20,8 @@ EXTRACT_FALLBACKS = Counter("inferscale_worker_extract_fallbacks",
 DEAD_LETTERED = Counter("inferscale_worker_dead_lettered", "Records sent to the DLQ", ["reason"])
 DB_RETRIES = Counter("inferscale_worker_db_retries", "Database retries after connection errors")
 FACTS_ENCODED = Counter("inferscale_worker_facts_encoded", "Facts encoded to KV")
+FACTS_REENCODED = Counter("inferscale_worker_facts_reencoded",
+                          "Of those, early facts encoded again after a wider context (backfill)")
 ENCODE_FAILURES = Counter("inferscale_worker_encode_failures", "Failed fact encodes")
 BATCH_SECONDS = Histogram("inferscale_worker_batch_seconds", "Ingest/extract/encode batch latency",
                           ["stage"])
