@@ -15,7 +15,7 @@ import errno
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,13 @@ S3_MAX_ATTEMPTS = 3  # botocore "standard" retries: throttling, 5xx, connection 
 S3_CONNECT_TIMEOUT_S = 2.0
 S3_READ_TIMEOUT_S = 5.0
 S3_DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
+
+Alloc = Callable[[int], numpy.ndarray]  # size -> a writable uint8 buffer of that many bytes
+
+
+def fresh_buffer(size: int) -> numpy.ndarray:
+    """Uninitialised memory of its own (``bytearray`` would zero it first)."""
+    return numpy.empty(size, dtype=numpy.uint8)
 
 
 class KVBlobError(RuntimeError):
@@ -59,12 +66,12 @@ def valid_location(location: str) -> bool:
 class Durable(ABC):
     """Blobs by location; a written blob is visible whole or not at all."""
 
-    def read(self, location: str) -> bytes | memoryview:
-        """The blob's bytes (a writable buffer where the backend fills one in place);
-        ``BlobMissing`` when there is none."""
+    def read(self, location: str, alloc: Alloc | None = None) -> bytes | memoryview:
+        """The blob's bytes (a writable buffer where the backend fills one in place, taken from
+        ``alloc(size)``, by default ``fresh_buffer``); ``BlobMissing`` when there is none."""
         if not valid_location(location):
             raise BlobMissing(location, "not a blob location")
-        return self._read(location)
+        return self._read(location, alloc or fresh_buffer)
 
     def write(self, location: str, data: bytes) -> None:
         """Store ``data`` atomically (replacing any blob there); ``ValueError`` for a location
@@ -103,7 +110,7 @@ class Durable(ABC):
         """Remove what writers that died mid-write left; returns how many."""
 
     @abstractmethod
-    def _read(self, location: str) -> bytes | memoryview: ...
+    def _read(self, location: str, alloc: Alloc) -> bytes | memoryview: ...
 
     @abstractmethod
     def _write(self, location: str, data: bytes) -> None: ...
@@ -122,13 +129,13 @@ class LocalDir(Durable):
     def __init__(self, root: Path):
         self.root = Path(root)
 
-    def _read(self, location: str) -> memoryview:
-        """The file read with one copy into an uninitialised buffer, which the decoded tensors
-        then view (``bytearray`` would zero it first; ``read_bytes`` gives immutable bytes)."""
+    def _read(self, location: str, alloc: Alloc) -> memoryview:
+        """The file read with one copy into a buffer from ``alloc``, which the decoded tensors
+        then view (``read_bytes`` gives immutable bytes)."""
         try:
             with (self.root / location).open("rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                buffer = memoryview(numpy.empty(size, dtype=numpy.uint8))
+                buffer = memoryview(alloc(size))
                 if f.readinto(buffer) != size or f.read(1):
                     raise OSError(errno.EIO, f"{location} changed size while it was read")
                 return buffer
@@ -233,8 +240,8 @@ class S3Objects(Durable):
                 raise BlobMissing(location, "no such blob") from None
             raise OSError(errno.EIO, f"s3://{self.bucket}/{self.prefix}{location}: {exc}") from exc
 
-    def _read(self, location: str) -> bytes:
-        with self._errors(location):
+    def _read(self, location: str, alloc: Alloc) -> bytes:
+        with self._errors(location):  # the client's own buffer: no copy into alloc's
             response = self._client.get_object(Bucket=self.bucket, Key=self.prefix + location)
             return response["Body"].read()
 

@@ -25,6 +25,7 @@ import torch
 
 from inferscale.blob import KVBlob, decode_blob, encode_blob
 from inferscale.durable import BlobMissing, Durable, KVBlobError, open_durable
+from inferscale.host_arena import HostArena
 from inferscale.metrics import KV_METRICS
 from inferscale.plan import LEAD
 
@@ -121,11 +122,15 @@ class KVStore:
     """Durable tier plus in-memory LRU tiers (host RAM; device when it is not CPU)."""
 
     def __init__(self, durable: Durable, fingerprint: str, host_bytes: int, device_bytes: int = 0,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", arena_bytes: int | None = None):
         self.durable = durable
         self.fingerprint = fingerprint
         self.device = torch.device(device)
         self.host = ByteLRU(host_bytes, "host")
+        # page-ins read into reused, huge-page-backed memory, by default 1.25x the host tier's
+        # budget (block rounding, and blobs evicted while a request still reads them); 0: none
+        arena_bytes = host_bytes * 5 // 4 if arena_bytes is None else arena_bytes
+        self.arena = HostArena(arena_bytes) if arena_bytes else None
         self.hot = ByteLRU(device_bytes, "device") if self.device.type != "cpu" else None
         self._pool = ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="kv-page-in")
 
@@ -162,7 +167,7 @@ class KVStore:
         return StoredBlob(location=location, nbytes=len(data), checksum=checksum)
 
     def _read_durable(self, location: str, expected_checksum: str | None) -> KVBlob:
-        raw = self.durable.read(location)
+        raw = self.durable.read(location, self.arena.take if self.arena else None)
         try:
             blob, checksum = decode_blob(raw)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt blob

@@ -191,10 +191,10 @@ def test_get_many_pages_misses_in_concurrently_in_order(store, monkeypatch):
     barrier = threading.Barrier(3, timeout=10)  # the 3 misses: read one by one, it would break
     readers, read = set(), fresh.durable.read
 
-    def concurrent_read(location: str) -> bytes:
+    def concurrent_read(location: str, alloc=None) -> bytes:
         readers.add(threading.get_ident())
         barrier.wait()
-        return read(location)
+        return read(location, alloc)
 
     monkeypatch.setattr(fresh.durable, "read", concurrent_read)
     blobs = fresh.get_many(locations + [locations[0]], checksums + [checksums[0]])
