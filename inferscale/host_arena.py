@@ -19,6 +19,8 @@ import weakref
 
 import numpy as np
 
+from inferscale.durable import fresh_buffer
+
 GRANULE = 64 << 10  # block sizes are multiples of this
 CHUNK = 64 << 20  # bytes mapped at a time (a larger block gets a mapping of its own)
 
@@ -51,7 +53,7 @@ class HostArena:
             if place is None and self.mapped + max(need, self.chunk) <= self.cap:
                 place = self._map(max(need, self.chunk), need)
         if place is None:
-            return np.empty(size, dtype=np.uint8)
+            return fresh_buffer(size)
         chunk, start = place
         block = self._chunks[chunk][start:start + size]
         weakref.finalize(block, self._freed.append, (chunk, start, need))
