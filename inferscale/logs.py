@@ -7,7 +7,7 @@ import logging
 import time
 
 _CONTEXT_FIELDS = ("user_id", "conversation_id", "turn_id", "topic", "partition", "offset",
-                   "fact_ids", "reason")
+                   "fact_ids", "reencoded_ids", "reason")
 
 
 class JsonFormatter(logging.Formatter):

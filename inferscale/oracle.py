@@ -52,7 +52,8 @@ async def oracle_owner(engine: AsyncEngine, encoder: FactEncoder, store: KVStore
                                           span.k[:, start:end], span.v[:, start:end], ids,
                                           ORACLE_WINDOW)
         encoded.append({"id": copies[fact_id], "claim": 0, "token_ids": ids,
-                        "window": ORACLE_WINDOW, "fingerprint": store.fingerprint,
+                        "window": ORACLE_WINDOW, "context_facts": None,  # never backfilled
+                        "fingerprint": store.fingerprint,
                         "location": blob.location, "nbytes": blob.nbytes,
                         "checksum": blob.checksum, "lead_checksum": None})
         start = end

@@ -153,7 +153,8 @@ class EncodeWorker(BatchStage):
             done, failures = await loop.run_in_executor(None, self._encode_and_store, pending)
         if done:
             log.info("wrote KV for %d facts", len(done),
-                     extra={"fact_ids": [row["id"] for row in done]})
+                     extra={"fact_ids": [row["id"] for row in done],
+                            "reencoded_ids": [row["id"] for row in done if row["reencode"]]})
         users = sorted({fact.user_id for fact in pending})
         gone = await retry_transient(lambda: self._record(done, failures, users), self._db_retry)
         if gone:  # their user was forgotten meanwhile: leave no KV of theirs behind
