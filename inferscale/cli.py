@@ -330,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "neighbours-all, neighbours-backfill, coret, stream; '-pos0' suffix: "
                         "the first fact served uses its preamble-only encoding; '+scales': "
                         "the facts' keys scaled by the key scales (INFERSCALE_KEY_SCALES); "
-                        "'/first<b>', '/blend<r>', '/random<r>': selective recompute after "
-                        "injection")
+                        "'/first<b>', '/tail<m>', '/blend<r>', '/random<r>': selective "
+                        "recompute after injection")
     p.add_argument("--threads", type=int, default=2, help="drift: torch CPU threads")
     p.add_argument("--name", default="drift", help="drift: report name (<out>/<name>.json)")
     p.add_argument("--anchor", help="drift: a fixed memory line after the preamble (layout "

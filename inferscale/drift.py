@@ -21,7 +21,8 @@ positions and attending to the injected K/V (whose own entries for them are mask
 with the question. Selectors: ``first<b>`` the first b tokens of every fact (EPIC's boundaries),
 ``blend<r>`` the fraction r of fact tokens whose layer-1 K/V deviate most from text prefill's
 (CacheBlend's selection; costs one layer of full prefill), ``random<r>`` a seeded random
-fraction r (the control).
+fraction r (the control), ``tail<m>`` every token of the last m facts (the server's tail
+recompute, ``"recompute": m``, which vLLM's connector API does allow).
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int =
     return Strategy(label, contexts, recompute, scaled)
 
 
-SELECTORS = ("first", "blend", "random")
+SELECTORS = ("first", "tail", "blend", "random")
+COUNTED = ("first", "tail")  # selectors whose amount is a count, not a fraction
 
 
 def parse_selector(spec: str) -> tuple[str, float]:
@@ -213,12 +215,12 @@ def parse_selector(spec: str) -> tuple[str, float]:
                 amount = float(spec[len(kind):])
             except ValueError:
                 break
-            if amount < 0 or (kind != "first" and amount > 1) or (
-                    kind == "first" and amount != int(amount)):
+            if amount < 0 or (kind not in COUNTED and amount > 1) or (
+                    kind in COUNTED and amount != int(amount)):
                 break
             return kind, amount
-    raise ValueError(f"unknown recompute selector {spec!r}: first<tokens>, blend<fraction> "
-                     "or random<fraction>")
+    raise ValueError(f"unknown recompute selector {spec!r}: first<tokens>, tail<facts>, "
+                     "blend<fraction> or random<fraction>")
 
 
 def select_positions(spec: str, spans: Sequence[tuple[int, int]], deviation: torch.Tensor | None,
@@ -228,6 +230,9 @@ def select_positions(spec: str, spans: Sequence[tuple[int, int]], deviation: tor
     kind, amount = parse_selector(spec)
     if kind == "first":
         return [p for start, end in spans for p in range(start, min(start + int(amount), end))]
+    if kind == "tail":
+        return [p for start, end in spans[len(spans) - int(amount):] if amount
+                for p in range(start, end)]
     facts = [p for start, end in spans for p in range(start, end)]
     n = round(amount * len(facts))
     if kind == "random":
@@ -582,7 +587,8 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
 
     ``anchor``: a layout variant where a fixed memory line follows the preamble (in text and
     inject alike, encoded once with it), so no retrieved fact sits right after the preamble.
-    ``+scales`` strategies use the key scales ``settings.key_scales`` selects."""
+    ``+scales`` strategies use the key scales ``settings.key_scales`` selects, at the server's
+    ``key_scale_strength``."""
     from inferscale.bench.common import print_table, write_report
     from inferscale.embedder import load_embedder
     from inferscale.encoder import load_encoder
@@ -608,6 +614,7 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
                                     encoder.config.num_hidden_layers)
         if scales is None:
             raise ValueError(f"{SCALED} strategies need key scales (INFERSCALE_KEY_SCALES)")
+        scales = scales.at_strength(settings.key_scale_strength)  # as the server applies them
     report = {"data": str(data), "conversation": conversation, "max_turns": max_turns,
               "facts": len(facts), "questions": len(asked), "seed": seed, "ks": list(ks),
               "w": w, "strategies": list(strategies), "first_n": first_n, "threads": threads,

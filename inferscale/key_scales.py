@@ -51,6 +51,13 @@ class KeyScales:
         """Each point's log-scales (made once: ``for_facts`` runs per injected request)."""
         return [torch.tensor(scales, dtype=torch.float64).log() for _, scales in self.points]
 
+    def at_strength(self, strength: float) -> KeyScales:
+        """Every scale raised to ``strength`` (what the server applies: since scales are
+        interpolated in log space, ``for_facts`` of the result is ``for_facts ** strength``)."""
+        return KeyScales(tuple((facts, tuple(s ** strength for s in scales))
+                               for facts, scales in self.points),
+                         f"{self.source} ^ {strength:g}")
+
     def for_facts(self, facts: int) -> torch.Tensor:
         """The per-layer scales [layers] for a prompt that injects ``facts`` facts: log-linear
         in ``facts`` between fitted points, toward no scaling below the first (1 at 0 facts),

@@ -118,13 +118,17 @@ def test_recompute_selectors():
     spans = [(3, 7), (7, 9), (9, 14)]
     assert select_positions("first2", spans, None, 0) == [3, 4, 7, 8, 9, 10]
     assert select_positions("first0", spans, None, 0) == []
+    assert select_positions("tail1", spans, None, 0) == [9, 10, 11, 12, 13]
+    assert select_positions("tail2", spans, None, 0) == [7, 8, 9, 10, 11, 12, 13]
+    assert select_positions("tail0", spans, None, 0) == []
+    assert select_positions("tail9", spans, None, 0) == list(range(3, 14))
     deviation = torch.zeros(14)
     deviation[[5, 12, 1]] = torch.tensor([3.0, 2.0, 9.0])  # 1 is the preamble's: never chosen
     assert select_positions("blend0.2", spans, deviation, 0) == [5, 12]
     picked = select_positions("random0.5", spans, None, 7)
     assert len(picked) == 6 and set(picked) <= set(range(3, 14))
     assert picked == select_positions("random0.5", spans, None, 7)  # seeded
-    for bad in ("first-1", "first1.5", "blend2", "random", "middle3", "blendx"):
+    for bad in ("first-1", "first1.5", "tail0.5", "blend2", "random", "middle3", "blendx"):
         with pytest.raises(ValueError):
             make_strategy(f"neighbours@2/{bad}", None, 5, k=4)
 

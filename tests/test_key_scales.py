@@ -57,6 +57,10 @@ def test_scales_follow_the_number_of_injected_facts_log_linearly():
     assert at[20] == pytest.approx([0.5, 2.0]) and at[50] == pytest.approx([0.25, 1.0])
     assert at[35] == pytest.approx([0.5 ** 0.5 * 0.25 ** 0.5, 2.0 ** 0.5])  # halfway in log
     assert at[80] == at[50]  # the last point beyond it
+    weaker = scales.at_strength(0.75)  # what the harness uses: the server's per-request power
+    for n in (0, 10, 20, 35, 50, 80):
+        assert weaker.for_facts(n).tolist() == pytest.approx(
+            (scales.for_facts(n) ** 0.75).tolist(), rel=1e-6)
 
 
 @settings(max_examples=300, deadline=None)
