@@ -231,7 +231,7 @@ def select_positions(spec: str, spans: Sequence[tuple[int, int]], deviation: tor
     if kind == "first":
         return [p for start, end in spans for p in range(start, min(start + int(amount), end))]
     if kind == "tail":
-        return [p for start, end in spans[len(spans) - int(amount):] if amount
+        return [p for start, end in spans[max(len(spans) - int(amount), 0):]
                 for p in range(start, end)]
     facts = [p for start, end in spans for p in range(start, end)]
     n = round(amount * len(facts))

@@ -122,6 +122,7 @@ def test_recompute_selectors():
     assert select_positions("tail2", spans, None, 0) == [7, 8, 9, 10, 11, 12, 13]
     assert select_positions("tail0", spans, None, 0) == []
     assert select_positions("tail9", spans, None, 0) == list(range(3, 14))
+    assert select_positions("tail4", spans, None, 0) == list(range(3, 14))  # more than there are
     deviation = torch.zeros(14)
     deviation[[5, 12, 1]] = torch.tensor([3.0, 2.0, 9.0])  # 1 is the preamble's: never chosen
     assert select_positions("blend0.2", spans, deviation, 0) == [5, 12]
