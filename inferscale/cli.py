@@ -196,7 +196,8 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
                  conversations=tuple(args.conversations),
                  questions=args.questions, ks=tuple(args.k), windows=tuple(windows),
                  contexts=tuple(args.context or [settings.encode_context]),
-                 recomputes=tuple(args.recompute), order=args.order, oracle=args.oracle,
+                 recomputes=tuple(args.recompute or [settings.recompute_tail]),
+                 order=args.order, oracle=args.oracle,
                  leads=tuple(choice == "on" for choice in args.lead),
                  max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed,
                  key_scales=tuple(args.key_scales))
@@ -307,8 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", choices=["turns", "neighbours"], nargs="+",
                    help="encoding contexts: preceding turns, or most similar earlier facts "
                         "(default: INFERSCALE_ENCODE_CONTEXT)")
-    p.add_argument("--recompute", type=int, nargs="+", default=[0],
-                   help="tail recompute: best m facts prefilled after the injected ones")
+    p.add_argument("--recompute", type=int, nargs="+",
+                   help="tail recompute: best m facts prefilled after the injected ones "
+                        "(default: INFERSCALE_RECOMPUTE_TAIL)")
     p.add_argument("--lead", choices=["on", "off"], nargs="+", default=["on"],
                    help="inject with and/or without the lead encoding for the first fact served")
     p.add_argument("--key-scales", type=_key_scales_choice, nargs="+", default=[None],

@@ -84,7 +84,8 @@ def run_demo(settings: Settings, sample: Path = SAMPLE, keep: bool = False, k: i
             with server_process(local, out / "server.log") as url:
                 say("server ready; waiting until every fact has its KV")
                 asyncio.run(_wait(local, user, len(turns)))
-                say(f"asking {len(qa)} questions with k={k}: memory injected as KV vs the same "
+                say(f"asking {len(qa)} questions with k={k}: memory injected as KV (the best "
+                    f"{local.recompute_tail} prefilled after it: tail recompute) vs the same "
                     "facts prefilled as text")
                 rows = asyncio.run(_ask(url, user, qa, k))
         ttft_i = sorted(r["inject"].ttft for r in rows)[len(rows) // 2]

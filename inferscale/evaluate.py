@@ -84,8 +84,9 @@ class Config:
 def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[int],
             order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
             key_scales: tuple[float | None, ...] = (None,)) -> list[Config]:
-    """none, then per k: text per encoding (its own user), inject per encoding, recompute,
-    lead and key-scales choice, and the oracle window after the first encoding's text."""
+    """none, then per k: text per encoding (its own user), inject per encoding, recompute
+    (at most k), lead and key-scales choice, and the oracle window after the first encoding's
+    text."""
     out = [Config("none")]
     for k in ks:
         for context, w in encodings:
@@ -94,7 +95,8 @@ def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[in
                 out.append(Config("inject", k, w, 0, order, oracle=True, context=context))
             out += [Config("inject", k, w, m, order, context=context, lead=lead,
                            key_scales=scaled)
-                    for m in recomputes if m <= k for lead in leads for scaled in key_scales]
+                    for m in sorted({min(m, k) for m in recomputes})  # m > k: all k as text
+                    for lead in leads for scaled in key_scales]
     return out
 
 

@@ -203,7 +203,10 @@ class Server:
 def running_server(settings: Settings, log_path: Path, extra_args: list[str]):
     """Start `inferscale serve` on a free port for a test module; stop it afterwards."""
     port = infra._free_port()
-    settings = settings.model_copy(update={"server_port": port, "vllm_kv_cache_gib": 1})
+    # Tail recompute off: these servers test the injection itself, every retrieved fact as KV
+    # (tests that recompute ask for it per request).
+    settings = settings.model_copy(update={"server_port": port, "vllm_kv_cache_gib": 1,
+                                           "recompute_tail": 0})
     server = Server(settings, f"http://127.0.0.1:{port}", extra_args, log_path)
     try:
         server.start()

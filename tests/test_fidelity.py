@@ -89,6 +89,10 @@ def test_plan_and_summary():
     plan = configs([5, 20], [("turns", 5)], [0, 3, 10])
     names = [c.name for c in plan]
     assert names[0] == "none" and "inject k=5 w=5 m=10" not in names
+    # m above k prefills all k facts: measured once, as m = k.
+    assert [n for n in names if n.startswith("inject k=5 ")] == [
+        "inject k=5 w=5 m=0", "inject k=5 w=5 m=3", "inject k=5 w=5 m=5"]
+    assert [c.name for c in configs([1], [("turns", 5)], [2, 3])][2:] == ["inject k=1 w=5 m=1"]
     assert names.index("text k=20 (user w=5)") < names.index("inject k=20 w=5 m=3")
     both = configs([20], [("turns", 5), ("neighbours", 5)], [0])
     assert [(c.name, c.encoding) for c in both[1:]] == [

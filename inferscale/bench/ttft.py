@@ -38,17 +38,19 @@ async def _ask(client: httpx.AsyncClient, url: str, user: str, question: str, mo
     first sends the text prompt once with a salt (not counted), then again with the same salt:
     vLLM's own prefix cache serves the second. ``inject`` first sends the question once with
     another salt (not counted): its facts are then in the host tier, not in vLLM's prefix cache,
-    so the timed request injects them all from host memory. ``inject-disk`` is not primed."""
-    salt = None
+    so the timed request injects them all from host memory. ``inject-disk`` is not primed.
+    Both inject modes ask for no tail recompute: every fact arrives as KV, as in a prefix hit."""
+    salt, options = None, {"recompute": 0}
     if mode == "prefix-hit":
         salt = uuid.uuid4().hex
         await stream_chat(client, url, user, question, "text", k, max_tokens=1, salt=salt)
     elif mode == "inject":
-        await stream_chat(client, url, user, question, mode, k, max_tokens=1)
+        await stream_chat(client, url, user, question, mode, k, max_tokens=1, options=options)
     mode = mode.removesuffix("-disk")
     before = await scrape(client, url)
     result = await stream_chat(client, url, user, question,
-                               "text" if mode == "prefix-hit" else mode, k, salt=salt)
+                               "text" if mode == "prefix-hit" else mode, k, salt=salt,
+                               options=options if mode == "inject" else None)
     return result, before, await scrape(client, url)
 
 
