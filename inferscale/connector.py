@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -112,6 +113,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._claimed: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
         self._layers: list[tuple[int, Any]] | None = None
+        self._staging: torch.Tensor | None = None
         if role == KVConnectorRole.WORKER:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self._store = KVStore.from_settings(settings, self._fingerprint,
@@ -243,9 +245,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._load(meta.loads, forward_context)
 
     def _load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
-        """Page in every load's KV, copy it once into one buffer, rotate all keys in place in
-        one kernel call (and scale the facts' keys where the plan asks), then write each layer's
-        K/V with one cache update."""
+        """Page in every load's KV, copy it once into the staging buffer, rotate all keys in
+        place in one kernel call (and scale the facts' keys where the plan asks), then write each
+        layer's K/V with one cache update."""
         started = time.perf_counter()
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         positions, slots = [], []
@@ -267,8 +269,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             runs += self._scale_runs(spec, spec_pieces)
         if not pieces:
             return
-        k = torch.cat([piece[0] for piece in pieces], dim=1)
-        v = torch.cat([piece[1] for piece in pieces], dim=1)
+        k, v = self._staged(sum(piece[0].shape[1] for piece in pieces), pieces[0][0])
+        torch.cat([piece[0] for piece in pieces], dim=1, out=k)
+        torch.cat([piece[1] for piece in pieces], dim=1, out=v)
         gathered = time.perf_counter()
         self._rope.rotate_(k, torch.cat(positions))
         if any(scales is not None for scales, _ in runs):
@@ -282,6 +285,20 @@ class InferScaleConnector(KVConnectorBase_V1):
         KV_METRICS.stage_seconds.labels("gather").observe(gathered - started)
         KV_METRICS.stage_seconds.labels("rope").observe(rotated - gathered)
         KV_METRICS.stage_seconds.labels("cache_write").observe(time.perf_counter() - rotated)
+
+    def _staged(self, tokens: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K and V ``[layers, tokens, heads, head_dim]`` in one buffer kept across
+        steps and grown as needed: a fresh ~50 MB buffer per step (k = 50) is, whenever the
+        allocator has handed the last one back to the OS, ~50 MB of page faults (a CPU step
+        then took 29 ms instead of 17)."""
+        shape = (like.shape[0], tokens, *like.shape[2:])
+        size = 2 * math.prod(shape)
+        staging = self._staging
+        if staging is None or staging.numel() < size or (staging.dtype, staging.device) != (
+                like.dtype, like.device):
+            staging = self._staging = like.new_empty(size)
+        both = staging[:size].view(2, *shape)
+        return both[0], both[1]
 
     def _scale_runs(self, spec: LoadSpec, pieces: list[tuple[torch.Tensor, torch.Tensor, str]]
                     ) -> list[tuple[torch.Tensor | None, int]]:
