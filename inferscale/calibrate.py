@@ -50,7 +50,8 @@ def first_token_log(encoder, example: Example, scales: torch.Tensor) -> torch.Te
     rest of the prompt: first-token log-probs (differentiable in ``scales``)."""
     prompt = example.prompt
     preamble, facts = example.runs
-    k = example.k.float() * key_factor([(None, preamble), (scales, facts)], len(scales))
+    k = example.k.float() * key_factor([(None, preamble), (scales, facts)],
+                                       len(scales))[..., None, None]
     cache = drift.memory_cache(encoder, k, example.v.float())
     ids = torch.tensor(prompt.token_ids[prompt.memory_end:])
     out = encoder.model(input_ids=ids[None], past_key_values=cache,

@@ -246,8 +246,8 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def _load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
         """Page in every load's KV, copy it once into the staging buffer, rotate all keys in
-        place in one kernel call (and scale the facts' keys where the plan asks), then write each
-        layer's K/V with one cache update."""
+        place in one kernel call that also scales the facts' keys where the plan asks, then
+        write each layer's K/V with one cache update."""
         started = time.perf_counter()
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         positions, slots = [], []
@@ -273,9 +273,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         torch.cat([piece[0] for piece in pieces], dim=1, out=k)
         torch.cat([piece[1] for piece in pieces], dim=1, out=v)
         gathered = time.perf_counter()
-        self._rope.rotate_(k, torch.cat(positions))
-        if any(scales is not None for scales, _ in runs):
-            k.mul_(key_factor(runs, k.shape[0], k.device, k.dtype))
+        scales = key_factor(runs, k.shape[0], k.device, k.dtype) if any(
+            scales is not None for scales, _ in runs) else None
+        self._rope.rotate_(k, torch.cat(positions), scales)
         rotated = time.perf_counter()
         slot_mapping = torch.cat(slots)
         for index, layer in self._attention_layers(forward_context):

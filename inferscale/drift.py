@@ -380,12 +380,12 @@ def served_keys(rope: ChunkedRope, memory: KV, prompt: Prompt,
     k = memory[0]
     if k.shape[1] != prompt.memory_end:
         raise ValueError("injected K/V do not cover the memory span")
-    k = rope.rotate(k, torch.arange(prompt.memory_end))
+    scales = None
     if key_scales is not None and prompt.spans:
         start = prompt.spans[0][0]
-        k = k * key_factor([(None, start), (key_scales.for_facts(len(prompt.spans)),
-                                            prompt.memory_end - start)], k.shape[0])
-    return k
+        scales = key_factor([(None, start), (key_scales.for_facts(len(prompt.spans)),
+                                             prompt.memory_end - start)], k.shape[0])
+    return rope.rotate(k, torch.arange(prompt.memory_end), scales)
 
 
 def memory_cache(encoder: FactEncoder, k: torch.Tensor, v: torch.Tensor):

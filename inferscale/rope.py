@@ -87,17 +87,34 @@ class ChunkedRope:
         self.cos_sin = table.to(device=device, dtype=dtype)
         self._kernel = _vllm_kernel()
 
-    def rotate_(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate_(self, keys: torch.Tensor, positions: torch.Tensor,
+                scales: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate contiguous keys in place to ``positions`` (one per token, shared by every
-        layer); returns ``keys``."""
+        layer) and multiply them by ``scales [layers, tokens]`` where given; returns ``keys``.
+
+        Scales ride in the rotation: each (layer, token) row gets its own cos|sin row times its
+        scale, so rotating and scaling is one pass over the keys instead of two (the keys are
+        ~3x the table's size: one per KV head)."""
         layers, tokens, heads, head_dim = keys.shape
         positions = positions.to(self.cos_sin.device)
+        if scales is None:
+            table, rows = self.cos_sin, positions.repeat(layers)
+        else:
+            scales = scales.to(self.cos_sin.device, self.cos_sin.dtype)
+            table = (self.cos_sin.index_select(0, positions) * scales[..., None]).view(
+                layers * tokens, -1)
+            rows = torch.arange(layers * tokens, device=self.cos_sin.device)
+            if self.rotary_dim < head_dim:  # the dimensions RoPE leaves alone
+                keys[..., self.rotary_dim:].mul_(scales[..., None, None])
+        flat = keys.view(layers * tokens, heads, head_dim)
         if self._kernel is None:
-            return keys.copy_(apply_rope(keys, positions, self.cos_sin, self.rotary_dim))
-        self._kernel(positions.repeat(layers), keys.view(layers * tokens, heads * head_dim), None,
-                     head_dim, self.cos_sin, True)
+            flat.copy_(apply_rope(flat, rows, table, self.rotary_dim))
+        else:
+            self._kernel(rows, flat.view(layers * tokens, heads * head_dim), None, head_dim,
+                         table, True)
         return keys
 
-    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Keys rotated to ``positions`` (a rotated copy)."""
-        return self.rotate_(keys.clone(memory_format=torch.contiguous_format), positions)
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor,
+               scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys rotated to ``positions`` (and scaled, see ``rotate_``): a rotated copy."""
+        return self.rotate_(keys.clone(memory_format=torch.contiguous_format), positions, scales)

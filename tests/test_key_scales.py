@@ -130,9 +130,9 @@ def test_the_shipped_file_records_how_it_was_fitted():
 
 def test_key_factor_scales_runs_of_fact_tokens_only():
     factor = key_factor([(None, 2), (torch.tensor([0.5, 2.0]), 3), (None, 1)], 2)
-    assert factor.shape == (2, 6, 1, 1)
+    assert factor.shape == (2, 6)
     keys = torch.ones(2, 6, 3, 4)
-    scaled = keys * factor
+    scaled = keys * factor[..., None, None]
     assert torch.equal(scaled[:, :2], keys[:, :2]) and torch.equal(scaled[:, 5:], keys[:, 5:])
     assert torch.equal(scaled[0, 2:5], torch.full((3, 3, 4), 0.5))
     assert torch.equal(scaled[1, 2:5], torch.full((3, 3, 4), 2.0))

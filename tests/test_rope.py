@@ -59,3 +59,31 @@ def test_transformers_fallback_table_equals_vllm():
         ref, ref_dim = _vllm_cos_sin(config, 16384, torch.float32)
         assert ours_dim == ref_dim == 128
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scales_ride_in_the_rotation(dtype, partial):
+    """Rotating with per-(layer, token) scales equals rotating and then scaling, the
+    dimensions RoPE leaves alone included; rows scaled by 1 are bit-equal to plain rotation."""
+    config = LlamaConfig(hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+                         head_dim=128, max_position_embeddings=4096, num_hidden_layers=3,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": partial})
+    rope = ChunkedRope(config, dtype)
+    assert rope.rotary_dim == int(128 * partial)
+    torch.manual_seed(0)
+    keys = torch.randn(3, 7, 2, 128).to(dtype)
+    positions = torch.arange(1000, 1007)
+    scales = torch.ones(3, 7)
+    scales[:, 2:] = torch.tensor([0.5, 0.8, 1.7])[:, None]
+    plain = rope.rotate(keys, positions)
+    scaled = rope.rotate(keys, positions, scales.to(dtype))
+    assert torch.equal(scaled[:, :2], plain[:, :2])
+    tolerance = 1e-5 if dtype == torch.float32 else 0.07  # bf16: an ulp at |x| ~ 4-8
+    torch.testing.assert_close(scaled, plain * scales.to(dtype)[..., None, None], rtol=0,
+                               atol=tolerance)
+    assert not torch.equal(scaled[:, 2:], plain[:, 2:])
+    rope._kernel = None  # the torch path (no vLLM): the same rule
+    torch.testing.assert_close(rope.rotate(keys, positions, scales.to(dtype)), scaled, rtol=0,
+                               atol=tolerance)
