@@ -44,10 +44,11 @@ async def poisson_load(url: str, user: str, questions: list[str], mode: str, k: 
 
 
 def run(settings: Settings, data: Path, out_dir: Path,
-        rates: tuple[float, ...] = (0.5, 1, 2, 4, 8, 16, 32, 64), duration_s: float = 30,
+        rates: tuple[float, ...] = (0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+        duration_s: float = 30,
         k: int = 20, ttft_target_s: float = 1.0) -> dict:
     """One server; for each mode, a Poisson load of ``duration_s`` seconds per rate, up the
-    ladder until the mode saturates (goodput below half the offered rate)."""
+    ladder (steps of 1.33-2x) until the mode saturates (goodput below half the offered rate)."""
     settings, user, questions, turns = prepare_user(settings, data, 100)
     out_dir.mkdir(parents=True, exist_ok=True)
     with worker_process(settings, out_dir / "worker.log", sharing=1):  # no server yet
