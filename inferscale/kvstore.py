@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 __all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", "KVBlobError",
            "KVStore", "StoredBlob"]
 PAGE_IN_THREADS = 8  # concurrent durable reads of one get_many
+# The smallest page-in arena: a store with little or no host tier still pages blobs in for the
+# requests in flight, and those buffers are reused instead of faulted in afresh every time
+# (mapped only once a page-in needs it).
+PAGE_IN_ARENA_MIN = 256 << 20
 _BLOB = ".safetensors"
 
 
@@ -128,8 +132,10 @@ class KVStore:
         self.device = torch.device(device)
         self.host = ByteLRU(host_bytes, "host")
         # page-ins read into reused, huge-page-backed memory, by default 1.25x the host tier's
-        # budget (block rounding, and blobs evicted while a request still reads them); 0: none
-        arena_bytes = host_bytes * 5 // 4 if arena_bytes is None else arena_bytes
+        # budget (block rounding, and blobs evicted while a request still reads them), at least
+        # PAGE_IN_ARENA_MIN; 0: none
+        if arena_bytes is None:
+            arena_bytes = max(host_bytes * 5 // 4, PAGE_IN_ARENA_MIN)
         self.arena = HostArena(arena_bytes) if arena_bytes else None
         self.hot = ByteLRU(device_bytes, "device") if self.device.type != "cpu" else None
         self._pool = ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="kv-page-in")

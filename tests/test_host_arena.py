@@ -97,9 +97,7 @@ def test_page_ins_decode_the_same_from_the_arena(tmp_path, host_bytes):
     reader = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=host_bytes)
     blob = reader.get(stored.location, stored.checksum)
     assert torch.equal(blob.k, k) and torch.equal(blob.v, v)
-    assert (reader.arena is not None) == bool(host_bytes)
-    if reader.arena is not None:
-        assert reader.arena.mapped == CHUNK
+    assert reader.arena.mapped == CHUNK  # with no host tier too (PAGE_IN_ARENA_MIN)
 
 
 def test_bench_pagein_times_each_kind_of_memory(tiny_models, tmp_path):

@@ -141,3 +141,18 @@ def test_a_rewritten_blob_is_served_only_under_the_checksum_expected(tmp_path):
     assert torch.equal(server.get(new.location).k, _kv(seed=2)[0])  # no expectation: any copy
     with pytest.raises(ChecksumMismatch):
         server.get(old.location, old.checksum)
+
+
+def test_a_store_without_host_tier_reuses_page_in_memory(tmp_path):
+    """No host tier: nothing is kept, but a page-in reads into the arena, and the next one
+    reuses the block once the last blob is gone (no fresh memory to fault in per request)."""
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
+    k, v = _kv(tokens=300)
+    stored = store.put("7", k, v, list(range(300)), window=5)
+    first = store.get(stored.location, stored.checksum)
+    assert len(store.host) == 0 and torch.equal(first.k, k)
+    address = first.k.data_ptr()
+    del first
+    again = store.get(stored.location, stored.checksum)
+    assert again.k.data_ptr() == address and torch.equal(again.v, v)
+    assert KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0, arena_bytes=0).arena is None
