@@ -273,8 +273,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         torch.cat([piece[0] for piece in pieces], dim=1, out=k)
         torch.cat([piece[1] for piece in pieces], dim=1, out=v)
         gathered = time.perf_counter()
-        scales = key_factor(runs, k.shape[0], k.device, k.dtype) if any(
-            scales is not None for scales, _ in runs) else None
+        scaled = any(run_scales is not None for run_scales, _ in runs)
+        scales = key_factor(runs, k.shape[0], k.device, k.dtype) if scaled else None
         self._rope.rotate_(k, torch.cat(positions), scales)
         rotated = time.perf_counter()
         slot_mapping = torch.cat(slots)
