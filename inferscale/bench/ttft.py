@@ -59,6 +59,14 @@ def _delta(pairs: list[tuple[dict, dict]], metric: str, **labels: str) -> float:
                for before, after in pairs)
 
 
+def computed_tokens(pairs: list[tuple[dict, dict]]) -> float:
+    """Prompt tokens the engine computed per request: neither a prefix-cache hit nor injected.
+    A hit covers whole blocks only, so it recomputes the prompt's last partial block."""
+    return (_delta(pairs, "vllm:prompt_tokens_total")
+            - _delta(pairs, "vllm:prefix_cache_hits_total")
+            - _delta(pairs, "inferscale_kv_injected_tokens_total")) / max(1, len(pairs))
+
+
 async def measure(url: str, user: str, questions: list[str], ks: list[int],
                   modes: tuple[str, ...] = MODES) -> list[dict]:
     """Per (k, mode): median/p90 of HTTP TTFT, vLLM's mean engine TTFT and the mean host time
@@ -82,6 +90,7 @@ async def measure(url: str, user: str, questions: list[str], ks: list[int],
                         int(r.headers.get("x-inferscale-prompt-tokens", 0)) for r in results),
                     "injected_tokens": statistics.median(
                         int(r.headers.get("x-inferscale-injected-tokens", 0)) for r in results),
+                    "computed_tokens": computed_tokens(pairs),
                     "retrieval_ms": statistics.median(
                         float(r.headers.get("x-inferscale-retrieval-ms", 0)) for r in results),
                     "stages_ms": {label: _delta(pairs, metric, **({"stage": stage} if stage
@@ -166,12 +175,14 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
                       by["text"]["ttft_median_s"] / inject["ttft_median_s"],
                       inject["ttft_median_s"] / hit["ttft_median_s"],
                       disk["ttft_median_s"] / hit["ttft_median_s"],
-                      int(by["text"]["prompt_tokens"]), int(inject["injected_tokens"])])
+                      int(by["text"]["prompt_tokens"]), int(inject["injected_tokens"]),
+                      round(hit["computed_tokens"]), round(inject["computed_tokens"])])
         for row in (inject, disk):
             breakdown.append([k, row["mode"], *row["stages_ms"].values(),
                               row["engine_ttft_mean_s"] * 1000, hit["engine_ttft_mean_s"] * 1000])
     print_table(["k", "none p50", "text p50", "prefix-hit p50", "inject p50", "inject-disk p50",
-                 "text/inject", "inject/hit", "disk/hit", "prompt tok", "injected tok"], table)
+                 "text/inject", "inject/hit", "disk/hit", "prompt tok", "injected tok",
+                 "computed tok hit", "computed tok inject"], table)
     print("host ms per request by stage, and vLLM's mean engine TTFT (ms):")
     print_table(["k", "mode", *(label for label, _, _ in STAGES), "engine TTFT",
                  "engine TTFT prefix-hit"], breakdown)
