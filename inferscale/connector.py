@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from inferscale.fingerprint import model_fingerprint
 from inferscale.key_scales import key_factor, resolve_key_scales
 from inferscale.kvstore import KVStore
+from inferscale.kvwrite import FusedCpuWriter
 from inferscale.metrics import KV_METRICS
 from inferscale.plan import PLAN_KEY, PREAMBLE, PlanError, Segment, verify
 from inferscale.rope import ChunkedRope, model_head_dim
@@ -55,6 +56,7 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 # plan check does not ask the durable tier (one HEAD request per fact on S3) at every step.
 PRESENT_TTL_S = 60.0
 PRESENT_MAX = 100_000
+_UNDECIDED = object()
 
 
 def _never_raises(fallback: Callable[..., Any]):
@@ -114,6 +116,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         self._layers: list[tuple[int, Any]] | None = None
         self._staging: torch.Tensor | None = None
+        self._writer: Any = _UNDECIDED  # FusedCpuWriter or None, once the layers are known
         if role == KVConnectorRole.WORKER:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self._store = KVStore.from_settings(settings, self._fingerprint,
@@ -245,9 +248,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._load(meta.loads, forward_context)
 
     def _load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
-        """Page in every load's KV, copy it once into the staging buffer, rotate all keys in
-        place in one kernel call that also scales the facts' keys where the plan asks, then
-        write each layer's K/V with one cache update."""
+        """Page in every load's KV and write it, keys rotated to their positions (and the
+        facts' keys scaled where the plan asks): with the fused CPU writer where it applies,
+        else with the portable chain (``_write_chain``)."""
         started = time.perf_counter()
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         positions, slots = [], []
@@ -269,22 +272,85 @@ class InferScaleConnector(KVConnectorBase_V1):
             runs += self._scale_runs(spec, spec_pieces)
         if not pieces:
             return
+        layers = self._attention_layers(forward_context)
+        scaled = any(run_scales is not None for run_scales, _ in runs)
+        scales = key_factor(runs, self._kv_shape[0], pieces[0][0].device,
+                            pieces[0][0].dtype) if scaled else None
+        slot_mapping, all_positions = torch.cat(slots), torch.cat(positions)
+        writer = self._fused_writer(layers)
+        paged_in = time.perf_counter()
+        if writer is None:
+            stages = self._write_chain(pieces, all_positions, scales, slot_mapping, layers)
+            stages["gather"] += paged_in - started
+        else:
+            writer.write(pieces, all_positions, slot_mapping, scales,
+                         [layer.kv_cache for _, layer in sorted(layers, key=lambda p: p[0])])
+            stages = {"gather": paged_in - started, "fused_write": time.perf_counter() - paged_in}
+        for stage, seconds in stages.items():
+            KV_METRICS.stage_seconds.labels(stage).observe(seconds)
+        KV_METRICS.injected_tokens.inc(len(slot_mapping))
+
+    def _write_chain(self, pieces: list[tuple[torch.Tensor, torch.Tensor]],
+                     positions: torch.Tensor, scales: torch.Tensor | None,
+                     slot_mapping: torch.Tensor, layers: list[tuple[int, Any]],
+                     caches: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """The portable path (CPU or CUDA): copy the pieces once into the staging buffer, rotate
+        all keys in place in one kernel call that also scales them, then write each layer's K/V
+        with one cache update (into ``caches[i]`` for layer i, else the layers' own). Returns
+        the seconds of each stage."""
+        started = time.perf_counter()
         k, v = self._staged(sum(piece[0].shape[1] for piece in pieces), pieces[0][0])
         torch.cat([piece[0] for piece in pieces], dim=1, out=k)
         torch.cat([piece[1] for piece in pieces], dim=1, out=v)
         gathered = time.perf_counter()
-        scaled = any(run_scales is not None for run_scales, _ in runs)
-        scales = key_factor(runs, k.shape[0], k.device, k.dtype) if scaled else None
-        self._rope.rotate_(k, torch.cat(positions), scales)
+        self._rope.rotate_(k, positions, scales)
         rotated = time.perf_counter()
-        slot_mapping = torch.cat(slots)
-        for index, layer in self._attention_layers(forward_context):
-            layer.impl.do_kv_cache_update(layer, k[index], v[index], layer.kv_cache,
+        for index, layer in layers:
+            layer.impl.do_kv_cache_update(layer, k[index], v[index],
+                                          layer.kv_cache if caches is None else caches[index],
                                           slot_mapping)
-        KV_METRICS.injected_tokens.inc(len(slot_mapping))
-        KV_METRICS.stage_seconds.labels("gather").observe(gathered - started)
-        KV_METRICS.stage_seconds.labels("rope").observe(rotated - gathered)
-        KV_METRICS.stage_seconds.labels("cache_write").observe(time.perf_counter() - rotated)
+        return {"gather": gathered - started, "rope": rotated - gathered,
+                "cache_write": time.perf_counter() - rotated}
+
+    def _fused_writer(self, layers: list[tuple[int, Any]]) -> FusedCpuWriter | None:
+        """The fused CPU writer for these layers, decided once: only where the kernel applies
+        and, on a probe, writes exactly what the portable chain writes."""
+        if self._writer is _UNDECIDED:
+            writer = FusedCpuWriter.for_layers(layers, self._kv_shape[0], self._rope.cos_sin,
+                                               self._rope.rotary_dim)
+            if writer is not None and not self._writes_like_chain(writer, layers):
+                log.warning("fused KV writer differs from vLLM's ops here: not used")
+                writer = None
+            log.info("KV writes: %s", "fused CPU kernel" if writer else "vLLM's ops")
+            self._writer = writer
+        return self._writer
+
+    def _writes_like_chain(self, writer: FusedCpuWriter, layers: list[tuple[int, Any]]
+                           ) -> bool:
+        """Both paths write two random pieces (one not starting at its blob's first token),
+        scaled, at positions across a block boundary, into two small caches: same bits?"""
+        gen = torch.Generator().manual_seed(0)
+        num_layers, heads, dim = self._kv_shape
+        block = self._block_size
+        cache_shape = (2, heads, block, 2 * dim)
+
+        def random(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(self._dtype)
+
+        pieces = [(random(num_layers, 7, heads, dim)[:, 2:], random(num_layers, 7, heads, dim)
+                   [:, 2:]), (random(num_layers, block, heads, dim),
+                              random(num_layers, block, heads, dim))]
+        tokens = 5 + block
+        positions = torch.arange(3, 3 + tokens)
+        slots = torch.tensor([1, 0])[positions // block] * block + positions % block
+        scales = (torch.rand(num_layers, tokens, generator=gen) + 0.5).to(self._dtype)
+        caches = [[torch.zeros(cache_shape, dtype=self._dtype) for _ in range(num_layers)]
+                  for _ in range(2)]
+        writer.write(pieces, positions, slots, scales, caches[0])
+        self._write_chain([(k.clone(), v.clone()) for k, v in pieces], positions, scales, slots,
+                          layers, caches[1])
+        self._staging = None
+        return all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
 
     def _staged(self, tokens: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K and V ``[layers, tokens, heads, head_dim]`` in one buffer kept across

@@ -32,7 +32,8 @@ KV_METRICS = _KVMetrics(
                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1)),
     stage_seconds=Histogram(
         "inferscale_stage_seconds", "Host time per request stage: compose, sign (front end), "
-        "plan_check (scheduler), gather, rope, cache_write (worker)", ["stage"],
+        "plan_check (scheduler), gather, then rope and cache_write or fused_write (worker)",
+        ["stage"],
         buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25)),
     hook_errors=Counter("inferscale_connector_hook_errors",
                         "Unexpected errors caught in connector hooks (answered by a fallback)",

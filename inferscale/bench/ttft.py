@@ -29,7 +29,8 @@ STAGES = (("retrieval", "inferscale_retrieval_seconds_sum", None),
           ("page_in", "inferscale_kv_page_in_seconds_sum", None),
           ("gather", "inferscale_stage_seconds_sum", "gather"),
           ("rope", "inferscale_stage_seconds_sum", "rope"),
-          ("cache_write", "inferscale_stage_seconds_sum", "cache_write"))
+          ("cache_write", "inferscale_stage_seconds_sum", "cache_write"),
+          ("fused_write", "inferscale_stage_seconds_sum", "fused_write"))
 
 
 async def _ask(client: httpx.AsyncClient, url: str, user: str, question: str, mode: str, k: int

@@ -1,0 +1,132 @@
+"""The fused CPU KV writer writes exactly what the portable chain writes (vLLM's rotary kernel
+through ChunkedRope, then vLLM's CPU cache update), for each cache layout it takes, and refuses
+what it cannot take without touching the cache."""
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig
+from vllm import _custom_ops as ops
+
+from inferscale import kvwrite
+from inferscale.kvwrite import LAYOUTS, FusedCpuWriter
+from inferscale.rope import ChunkedRope
+
+pytestmark = pytest.mark.skipif(not kvwrite.available(), reason="built without a C compiler")
+BF16 = torch.bfloat16
+
+
+def test_kernel_is_built_where_a_compiler_is():
+    assert kvwrite.available() or shutil.which("cc") is None
+
+
+def _rope(layers: int, heads: int, dim: int, partial: float) -> ChunkedRope:
+    config = LlamaConfig(hidden_size=2 * dim, num_attention_heads=2, num_key_value_heads=heads,
+                         head_dim=dim, max_position_embeddings=4096, num_hidden_layers=layers,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": partial})
+    return ChunkedRope(config, BF16)
+
+
+def _chain(pieces, positions, slots, scales, caches, rope, isa):
+    k = torch.cat([piece[0] for piece in pieces], dim=1)
+    v = torch.cat([piece[1] for piece in pieces], dim=1)
+    rope.rotate_(k, positions, scales)
+    for layer, cache in enumerate(caches):
+        blocks, heads, block_size, _ = cache.shape
+        k_cache, v_cache = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k[layer], v[layer], k_cache, v_cache, slots, isa, 1.0,
+                                       1.0, "auto")
+
+
+def _case(gen, layers, heads, dim, block_size, lengths, skips, start, scaled):
+    pieces = []
+    for length, skip in zip(lengths, skips, strict=True):
+        k, v = torch.randn(2, layers, length + skip, heads, dim, generator=gen).to(BF16)
+        pieces.append((k[:, skip:], v[:, skip:]))
+    tokens = sum(lengths)
+    positions = torch.arange(start, start + tokens)
+    blocks = (start + tokens) // block_size + 2
+    order = torch.randperm(blocks, generator=gen)
+    slots = order[positions // block_size] * block_size + positions % block_size
+    scales = (torch.rand(layers, tokens, generator=gen) + 0.5).to(BF16) if scaled else None
+    return pieces, positions, slots, scales, (blocks, heads, block_size, 2 * dim)
+
+
+@settings(max_examples=40, deadline=None)
+@given(isa=st.sampled_from(sorted(LAYOUTS)), heads=st.integers(1, 3),
+       dim=st.sampled_from([32, 64, 128]), partial=st.sampled_from([1.0, 0.5]),
+       block_size=st.sampled_from([32, 128]),
+       lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+       start=st.integers(0, 300), scaled=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_size, lengths,
+                                                start, scaled, seed):
+    gen = torch.Generator().manual_seed(seed)
+    layers = 3
+    skips = torch.randint(0, 4, (len(lengths),), generator=gen).tolist()
+    pieces, positions, slots, scales, shape = _case(gen, layers, heads, dim, block_size,
+                                                    lengths, skips, start, scaled)
+    rope = _rope(layers, heads, dim, partial)
+    ours = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
+    theirs = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
+    FusedCpuWriter(LAYOUTS[isa], rope.cos_sin, rope.rotary_dim).write(
+        pieces, positions, slots, scales, ours)
+    _chain(pieces, positions, slots, scales, theirs, rope, isa)
+    for layer in range(layers):
+        assert torch.equal(ours[layer], theirs[layer])
+    assert all(cache.abs().sum() > 0 for cache in ours)  # something was written
+
+
+def _writer_and_case(**overrides):
+    gen = torch.Generator().manual_seed(0)
+    rope = _rope(2, 2, 64, 1.0)
+    pieces, positions, slots, scales, shape = _case(gen, 2, 2, 64, 32, [5, 9], [0, 1], 3, True)
+    case = {"pieces": pieces, "positions": positions, "slots": slots, "scales": scales,
+            "caches": [torch.zeros(shape, dtype=BF16) for _ in range(2)]}
+    case.update(overrides)
+    return FusedCpuWriter(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim), case
+
+
+@pytest.mark.parametrize("hostile", [
+    {"slots": torch.arange(14) + 10_000},                       # outside the cache
+    {"slots": torch.arange(14) - 1},                            # negative slot
+    {"positions": torch.arange(14) + 4090},                     # beyond the RoPE table
+    {"slots": torch.arange(13)},                                # one slot short
+    {"scales": torch.ones(2, 13, dtype=BF16)},                  # scales for other tokens
+    {"caches": [torch.zeros(4, 2, 32, 128, dtype=BF16)]},       # a layer's cache missing
+    {"caches": [torch.zeros(4, 3, 32, 128, dtype=BF16)] * 2},   # other heads
+    {"pieces": [(torch.zeros(2, 5, 2, 64), torch.zeros(2, 5, 2, 64))]},  # fp32 rows
+    {"pieces": [(torch.zeros(2, 5, 64, 2, dtype=BF16).transpose(2, 3),
+                 torch.zeros(2, 5, 2, 64, dtype=BF16))]},       # rows not contiguous
+])
+def test_what_the_kernel_cannot_take_is_refused_untouched(hostile):
+    writer, case = _writer_and_case(**hostile)
+    before = [cache.clone() for cache in case["caches"]]
+    with pytest.raises(ValueError, match="fused KV write"):
+        writer.write(**case)
+    assert all(torch.equal(a, b) for a, b in zip(case["caches"], before, strict=True))
+
+
+def _layers(isa="amx", dtype=BF16, cache_dtype="auto", indices=(0, 1)):
+    return [(i, SimpleNamespace(isa=isa, impl=SimpleNamespace(kv_cache_dtype=cache_dtype),
+                                kv_cache=torch.zeros(2, 1, 32, 128, dtype=dtype)))
+            for i in indices]
+
+
+@pytest.mark.parametrize(("layers", "applies"), [
+    (_layers(), True),
+    (_layers(isa="vec"), True),
+    (_layers(isa="vec16"), False),
+    (_layers(isa="neon"), False),
+    (_layers(dtype=torch.float16), False),
+    (_layers(cache_dtype="fp8"), False),
+    (_layers(indices=(0,)), False),   # a layer of the model has no cache here
+])
+def test_writer_applies_only_where_the_kernel_does(layers, applies):
+    rope = _rope(2, 1, 64, 1.0)
+    writer = FusedCpuWriter.for_layers(layers, 2, rope.cos_sin, rope.rotary_dim)
+    assert (writer is not None) == applies
