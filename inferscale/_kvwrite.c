@@ -6,6 +6,25 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+/* copy whole 64-byte lines from an aligned buffer past the caches: no read for ownership of
+   the target lines (they are read next by attention, from memory either way at k = 50) */
+static inline void stream_lines(void *dst, const void *src, int64_t bytes) {
+#if defined(__x86_64__)
+    if ((uintptr_t)dst % 16) {
+        memcpy(dst, src, bytes);
+        return;
+    }
+    __m128i *d = (__m128i *)dst;
+    const __m128i *s = (const __m128i *)src;
+    for (int64_t i = 0; i < bytes / 16; i++) _mm_stream_si128(d + i, _mm_load_si128(s + i));
+#else
+    memcpy(dst, src, bytes);
+#endif
+}
 
 #define GROUP 16      /* tokens per packed group of the "amx" key layout */
 #define MAX_DIM 256
@@ -88,7 +107,10 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
             if (j->layout == LAYOUT_AMX) {
                 /* K: [bs/16][dim/2][16 tokens][2 dims]; V: [dim/16][bs/2][16 dims][2 tokens] */
                 uint32_t *k32 = (uint32_t *)kdst + (o0 / GROUP) * GROUP * (dim / 2) + o0 % GROUP;
-                for (int64_t dp = 0; dp < dim / 2; dp++)
+                if (n == GROUP) {  /* whole group: whole lines */
+                    uint32_t kt[MAX_DIM / 2 * GROUP] __attribute__((aligned(64)));
+                    uint32_t vt[GROUP * 16] __attribute__((aligned(64)));
+                    for (int64_t dp = 0; dp < dim / 2; dp++)
                     for (int64_t i = 0; i < n; i++)
                         k32[dp * GROUP + i] = ((const uint32_t *)tile[i])[dp];
                 for (int64_t i = 0; i < n;) {
@@ -121,6 +143,9 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
         }
         t += n;
     }
+#if defined(__x86_64__)
+    _mm_sfence();  /* the streamed lines are visible before attention reads them */
+#endif
 }
 
 static int supported(const job_t *j) {

@@ -130,3 +130,20 @@ def test_writer_applies_only_where_the_kernel_does(layers, applies):
     rope = _rope(2, 1, 64, 1.0)
     writer = FusedCpuWriter.for_layers(layers, 2, rope.cos_sin, rope.rotary_dim)
     assert (writer is not None) == applies
+
+
+def test_caches_not_aligned_to_lines_are_written_alike():
+    """Whole groups go out as streamed 64-byte lines; a cache that does not start on a 16-byte
+    boundary takes plain stores, with the same bits."""
+    gen = torch.Generator().manual_seed(1)
+    rope = _rope(2, 2, 64, 1.0)
+    pieces, positions, slots, scales, shape = _case(gen, 2, 2, 64, 32, [40, 30], [0, 2], 0,
+                                                    True)
+    size = torch.Size(shape).numel()
+    ours = [torch.zeros(size + 1, dtype=BF16)[1:].view(shape) for _ in range(2)]
+    assert all(cache.data_ptr() % 16 for cache in ours)
+    theirs = [torch.zeros(shape, dtype=BF16) for _ in range(2)]
+    FusedCpuWriter(LAYOUTS["amx"], rope.cos_sin, rope.rotary_dim).write(
+        pieces, positions, slots, scales, ours)
+    _chain(pieces, positions, slots, scales, theirs, rope, "amx")
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
