@@ -318,8 +318,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self._writer is _UNDECIDED:
             writer = FusedCpuWriter.for_layers(layers, self._kv_shape[0], self._rope.cos_sin,
                                                self._rope.rotary_dim)
-            if writer is not None and not self._writes_like_chain(writer, layers):
-                log.warning("fused KV writer differs from vLLM's ops here: not used")
+            try:
+                if writer is not None and not self._writes_like_chain(writer, layers):
+                    log.warning("fused KV writer differs from vLLM's ops here: not used")
+                    writer = None
+            except Exception:  # noqa: BLE001 - a probe that cannot run: the portable path
+                log.exception("fused KV writer probe failed: not used")
                 writer = None
             log.info("KV writes: %s", "fused CPU kernel" if writer else "vLLM's ops")
             self._writer = writer
@@ -347,8 +351,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         caches = [[torch.zeros(cache_shape, dtype=self._dtype) for _ in range(num_layers)]
                   for _ in range(2)]
         writer.write(pieces, positions, slots, scales, caches[0])
-        self._write_chain([(k.clone(), v.clone()) for k, v in pieces], positions, scales, slots,
-                          layers, caches[1])
+        self._write_chain(pieces, positions, scales, slots, layers, caches[1])
         self._staging = None
         return all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
 

@@ -147,3 +147,52 @@ def test_caches_not_aligned_to_lines_are_written_alike():
         pieces, positions, slots, scales, ours)
     _chain(pieces, positions, slots, scales, theirs, rope, "amx")
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+class _CpuImpl:
+    """The cache update of vLLM's CPU attention backend, for layers built here."""
+
+    kv_cache_dtype = "auto"
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        blocks, heads, block_size, _ = kv_cache.shape
+        k_cache, v_cache = kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, layer.isa,
+                                       1.0, 1.0, "auto")
+
+
+def _connector(isa="amx"):
+    from inferscale.connector import _UNDECIDED, InferScaleConnector
+
+    connector = InferScaleConnector.__new__(InferScaleConnector)
+    connector._kv_shape, connector._block_size, connector._dtype = (2, 2, 64), 32, BF16
+    connector._rope, connector._staging, connector._writer = _rope(2, 2, 64, 1.0), None, _UNDECIDED
+    layers = [(i, SimpleNamespace(isa=isa, impl=_CpuImpl(),
+                                  kv_cache=torch.zeros(4, 2, 32, 128, dtype=BF16)))
+              for i in range(2)]
+    return connector, layers
+
+
+@pytest.mark.parametrize("isa", sorted(LAYOUTS))
+def test_connector_uses_the_writer_that_passes_its_probe(isa):
+    connector, layers = _connector(isa)
+    assert isinstance(connector._fused_writer(layers), FusedCpuWriter)
+
+
+def test_connector_keeps_the_portable_path_when_the_probe_differs(monkeypatch):
+    connector, layers = _connector("amx")
+    rope = connector._rope
+    monkeypatch.setattr(FusedCpuWriter, "for_layers", classmethod(  # the other layout's writer
+        lambda cls, *_: cls(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim)))
+    assert connector._fused_writer(layers) is None
+    assert connector._fused_writer(layers) is None  # decided once
+
+
+def test_connector_keeps_the_portable_path_when_the_probe_cannot_run(monkeypatch):
+    connector, layers = _connector("amx")
+
+    def broken(*_):
+        raise ValueError("fused KV write: broken")
+
+    monkeypatch.setattr(FusedCpuWriter, "write", broken)
+    assert connector._fused_writer(layers) is None
