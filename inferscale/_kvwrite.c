@@ -111,6 +111,22 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
                     uint32_t kt[MAX_DIM / 2 * GROUP] __attribute__((aligned(64)));
                     uint32_t vt[GROUP * 16] __attribute__((aligned(64)));
                     for (int64_t dp = 0; dp < dim / 2; dp++)
+                        for (int64_t i = 0; i < GROUP; i++)
+                            kt[dp * GROUP + i] = ((const uint32_t *)tile[i])[dp];
+                    stream_lines(k32, kt, GROUP * dim * 2);
+                    for (int64_t g = 0; g < dim / 16; g++) {
+                        for (int64_t p = 0; p < GROUP / 2; p++) {
+                            const uint16_t *a = vsrc[2 * p] + h * dim + g * 16;
+                            const uint16_t *b = vsrc[2 * p + 1] + h * dim + g * 16;
+                            for (int64_t d = 0; d < 16; d++)
+                                vt[p * 16 + d] = (uint32_t)a[d] | ((uint32_t)b[d] << 16);
+                        }
+                        stream_lines((uint32_t *)vdst + g * bs * 8 + (o0 / 2) * 16, vt,
+                                     GROUP * 16 * 2);
+                    }
+                    continue;
+                }
+                for (int64_t dp = 0; dp < dim / 2; dp++)
                     for (int64_t i = 0; i < n; i++)
                         k32[dp * GROUP + i] = ((const uint32_t *)tile[i])[dp];
                 for (int64_t i = 0; i < n;) {
