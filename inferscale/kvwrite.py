@@ -34,6 +34,13 @@ def _pointers(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
+def _is_kernel_cache(cache: Any) -> bool:
+    """Whether ``cache`` is memory the kernel may write as ``[blocks, heads, block_size,
+    2 * head_dim]`` bf16: a contiguous 4-d bf16 tensor in host memory."""
+    return (isinstance(cache, torch.Tensor) and cache.device.type == "cpu" and cache.dim() == 4
+            and cache.dtype == torch.bfloat16 and cache.is_contiguous())
+
+
 class FusedCpuWriter:
     """Writes ``[layers, tokens, heads, head_dim]`` K/V pieces into the caches of ``layers``
     attention layers (cache ``[blocks, heads, block_size, 2 * head_dim]`` each), rotating the
@@ -55,8 +62,7 @@ class FusedCpuWriter:
         caches = [layer.kv_cache for _, layer in layers]
         if len(isas) != 1 or (isa := isas.pop()) not in LAYOUTS:
             return None
-        if any(not isinstance(c, torch.Tensor) or c.device.type != "cpu" or c.dim() != 4
-               or c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches):
+        if not all(_is_kernel_cache(cache) for cache in caches):
             return None
         if any(getattr(layer.impl, "kv_cache_dtype", "auto") != "auto" for _, layer in layers):
             return None
@@ -72,6 +78,8 @@ class FusedCpuWriter:
         and multiplied by ``scales [layers, tokens]`` (None: unscaled); ``caches[i]`` is layer
         i's. Raises ValueError for anything the kernel cannot take as it is."""
         layers, _, heads, dim = pieces[0][0].shape
+        if not all(_is_kernel_cache(cache) for cache in caches):
+            raise ValueError("fused KV write: a cache is not contiguous bf16 in host memory")
         blocks, cache_heads, block_size, width = caches[0].shape
         tokens = sum(k.shape[1] for k, _ in pieces)
         if len(caches) != layers or (cache_heads, width) != (heads, 2 * dim) or any(
@@ -82,7 +90,8 @@ class FusedCpuWriter:
                 raise ValueError("fused KV write: a piece's K and V are laid out differently")
             for part in (k, v):
                 if (part.shape[0], *part.shape[2:]) != (layers, heads, dim) or (
-                        part.dtype != torch.bfloat16 or part.stride()[1:] != (heads * dim, dim, 1)):
+                        part.dtype != torch.bfloat16 or part.device.type != "cpu"
+                        or part.stride()[1:] != (heads * dim, dim, 1)):
                     raise ValueError("fused KV write: a piece is not bf16 rows of the layout")
         if positions.numel() != tokens or slots.numel() != tokens:
             raise ValueError("fused KV write: positions and slots must have one per token")

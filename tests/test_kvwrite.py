@@ -38,15 +38,24 @@ def _rope(layers: int, heads: int, dim: int, partial: float) -> ChunkedRope:
     return ChunkedRope(config, BF16)
 
 
+class _CpuImpl:
+    """The cache update of vLLM's CPU attention backend, for layers built here."""
+
+    kv_cache_dtype = "auto"
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        blocks, heads, block_size, _ = kv_cache.shape
+        k_cache, v_cache = kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, layer.isa,
+                                       1.0, 1.0, "auto")
+
+
 def _chain(pieces, positions, slots, scales, caches, rope, isa):
     k = torch.cat([piece[0] for piece in pieces], dim=1)
     v = torch.cat([piece[1] for piece in pieces], dim=1)
     rope.rotate_(k, positions, scales)
     for layer, cache in enumerate(caches):
-        blocks, heads, block_size, _ = cache.shape
-        k_cache, v_cache = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k[layer], v[layer], k_cache, v_cache, slots, isa, 1.0,
-                                       1.0, "auto")
+        _CpuImpl().do_kv_cache_update(SimpleNamespace(isa=isa), k[layer], v[layer], cache, slots)
 
 
 def _case(gen, layers, heads, dim, block_size, lengths, skips, start, scaled):
@@ -107,6 +116,8 @@ def _writer_and_case(**overrides):
     {"scales": torch.ones(2, 13, dtype=BF16)},                  # scales for other tokens
     {"caches": [torch.zeros(4, 2, 32, 128, dtype=BF16)]},       # a layer's cache missing
     {"caches": [torch.zeros(4, 3, 32, 128, dtype=BF16)] * 2},   # other heads
+    {"caches": [torch.zeros(4, 2, 32, 128, dtype=torch.float16)] * 2},  # not bf16
+    {"caches": [torch.zeros(4, 2, 128, 32, dtype=BF16).transpose(2, 3)] * 2},  # not contiguous
     {"pieces": [(torch.zeros(2, 5, 2, 64), torch.zeros(2, 5, 2, 64))]},  # fp32 rows
     {"pieces": [(torch.zeros(2, 5, 64, 2, dtype=BF16).transpose(2, 3),
                  torch.zeros(2, 5, 2, 64, dtype=BF16))]},       # rows not contiguous
@@ -157,18 +168,6 @@ def test_caches_not_aligned_to_lines_are_written_alike():
         pieces, positions, slots, scales, ours)
     _chain(pieces, positions, slots, scales, theirs, rope, "amx")
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
-
-
-class _CpuImpl:
-    """The cache update of vLLM's CPU attention backend, for layers built here."""
-
-    kv_cache_dtype = "auto"
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        blocks, heads, block_size, _ = kv_cache.shape
-        k_cache, v_cache = kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, layer.isa,
-                                       1.0, 1.0, "auto")
 
 
 def _connector(isa="amx"):
