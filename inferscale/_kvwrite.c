@@ -1,7 +1,9 @@
 /* Fused KV injection for vLLM's CPU paged cache: rotate stored pre-RoPE keys to their serving
    positions (Chunked RoPE, scaled where the plan asks), and write K and V into the cache's
    blocks in one pass over the memory. Bit-exact with vLLM's rotary kernel on a bf16 table
-   followed by vLLM's cache update (compiled with -ffp-contract=off: no FMA contraction). */
+   followed by vLLM's cache update, on any CPU: the product of two bf16 values is exact in fp32,
+   so each output has one rounding (the fp32 sum) whether a build fuses multiply-adds or not
+   (vLLM's AVX-512 build does, its AVX2 build does not); then one rounding to bf16. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
