@@ -28,13 +28,13 @@ from inferscale.durable import BlobMissing, Durable, KVBlobError, open_durable
 from inferscale.host_arena import HostArena
 from inferscale.metrics import KV_METRICS
 from inferscale.plan import LEAD
+from inferscale.procs import run_on_process_cpus
 
 if TYPE_CHECKING:
     from inferscale.settings import Settings
 
 __all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", "KVBlobError",
            "KVStore", "StoredBlob"]
-PAGE_IN_THREADS = 8  # concurrent durable reads of one get_many
 # The smallest page-in arena: a store with little or no host tier still pages blobs in for the
 # requests in flight, and those buffers are reused instead of faulted in afresh every time
 # (mapped only once a page-in needs it).
@@ -138,7 +138,10 @@ class KVStore:
             arena_bytes = max(host_bytes * 5 // 4, PAGE_IN_ARENA_MIN)
         self.arena = HostArena(arena_bytes) if arena_bytes else None
         self.hot = ByteLRU(device_bytes, "device") if self.device.type != "cpu" else None
-        self._pool = ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="kv-page-in")
+        # page-ins run on every CPU of the process, also where the thread starting them is
+        # pinned to one (vLLM's CPU worker)
+        self._pool = ThreadPoolExecutor(durable.read_threads, thread_name_prefix="kv-page-in",
+                                        initializer=run_on_process_cpus)
 
     @classmethod
     def from_settings(cls, settings: Settings, fingerprint: str, host_bytes: int,

@@ -8,6 +8,23 @@ import signal
 from collections.abc import Iterator
 
 
+def process_cpus() -> set[int]:
+    """The CPUs some thread of this process may run on. A thread may be pinned to fewer: libgomp
+    pins the initial thread to the first CPU of ``GOMP_CPU_AFFINITY``, which vLLM's CPU worker
+    sets, and every thread started from it inherits that one CPU."""
+    cpus = set(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                cpus |= os.sched_getaffinity(int(tid))
+    return cpus
+
+
+def run_on_process_cpus() -> None:
+    """Let the calling thread run on all of ``process_cpus()`` (a thread pool's initializer)."""
+    os.sched_setaffinity(0, process_cpus())
+
+
 def pid_alive(pid: int | None) -> bool:
     """Whether a process with this pid exists (a zombie child of ours counts as dead)."""
     if not pid:

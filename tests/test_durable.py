@@ -29,6 +29,7 @@ from inferscale.kvstore import (
     FingerprintMismatch,
     KVStore,
 )
+from inferscale.procs import process_cpus
 from inferscale.settings import S3Url, Settings, settings_env
 
 FP_A, FP_B = "a" * 64, "b" * 64
@@ -186,6 +187,7 @@ def test_get_many_pages_misses_in_concurrently_in_order(store, monkeypatch):
     locations = [s.location for s in stored]
     checksums = [s.checksum for s in stored]
     expected = [KVStore(store.durable, FP_A, host_bytes=0).get(loc) for loc in locations]
+    monkeypatch.setattr(store.durable, "read_threads", 3)
     fresh = KVStore(store.durable, FP_A, host_bytes=1 << 20)
     warm = fresh.get(locations[1])
     barrier = threading.Barrier(3, timeout=10)  # the 3 misses: read one by one, it would break
@@ -211,6 +213,34 @@ def test_get_many_pages_misses_in_concurrently_in_order(store, monkeypatch):
             [locations[2], "fp/xx/9.safetensors", locations[3]], ["0" * 64, None, None])
     with pytest.raises(ValueError):
         fresh.get_many(locations, checksums[:1])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_page_ins_run_on_every_cpu_of_the_process_when_the_caller_is_pinned(tmp_path,
+                                                                             monkeypatch):
+    """vLLM's CPU worker runs pinned to one CPU (libgomp's binding): its page-ins may not be."""
+    store = KVStore(LocalDir(tmp_path), FP_A, host_bytes=0)
+    stored = store.put("1", *_kv(), [1] * 5, window=0)
+    assert store.durable.read_threads == len(process_cpus())
+    seen: list[set[int]] = []
+    read = store.durable.read
+
+    def recording_read(location: str, alloc=None) -> bytes:
+        seen.append(os.sched_getaffinity(0))
+        return read(location, alloc)
+
+    monkeypatch.setattr(store.durable, "read", recording_read)
+    everywhere = os.sched_getaffinity(0)
+
+    def pinned_caller() -> None:
+        os.sched_setaffinity(0, {min(everywhere)})
+        pinned = KVStore(store.durable, FP_A, host_bytes=0)
+        pinned.get_many([stored.location], [stored.checksum])
+
+    caller = threading.Thread(target=pinned_caller)
+    caller.start()
+    caller.join()
+    assert seen == [everywhere]
 
 
 def test_hostile_locations_name_no_blob_and_reach_nothing_outside(store):
