@@ -110,16 +110,21 @@ def _views(raw: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor]
     return tensors, metadata
 
 
-def decode_blob(raw: bytes | bytearray | memoryview) -> tuple[KVBlob, str | None]:
+def decode_blob(raw: bytes | bytearray | memoryview, known_checksum: str | None = None
+                ) -> tuple[KVBlob, str | None]:
     """Decode a blob (its tensors are views into ``raw``); the checksum is None when the content
-    does not match its own."""
+    does not match its own. ``known_checksum``: what these very bytes were verified to hold
+    before (not hashed again if the blob still names it)."""
     tensors, metadata = _views(raw)
     k, v, ids = tensors["k"], tensors["v"], tensors["token_ids"]
     if k.shape != v.shape or k.dim() != 4 or ids.dim() != 1 or k.shape[1] != ids.numel() or (
             ids.dtype != torch.int32):
         raise ValueError(f"inconsistent shapes k={tuple(k.shape)} v={tuple(v.shape)} "
                          f"token_ids={tuple(ids.shape)}")
-    checksum = blob_checksum(k, v, ids, metadata.get("checksum_algorithm", "sha256"))
+    if known_checksum is not None and known_checksum == metadata["checksum"]:
+        checksum = known_checksum
+    else:
+        checksum = blob_checksum(k, v, ids, metadata.get("checksum_algorithm", "sha256"))
     verified = checksum if checksum == metadata["checksum"] else None
     blob = KVBlob(k=k, v=v, token_ids=ids.tolist(), fingerprint=str(metadata["fingerprint"]),
                   window=int(metadata["window"]), checksum=verified)

@@ -14,8 +14,9 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,9 @@ S3_READ_TIMEOUT_S = 5.0
 S3_DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 
 Alloc = Callable[[int], numpy.ndarray]  # size -> a writable uint8 buffer of that many bytes
+# A file changed this recently has no version (see ``file_version``): a change within the
+# timestamps' granularity (a clock tick) of the last one could leave them as they were.
+RACY_S = 2.0
 
 
 def fresh_buffer(size: int) -> numpy.ndarray:
@@ -71,6 +75,12 @@ class Durable(ABC):
     def read(self, location: str, alloc: Alloc | None = None) -> bytes | memoryview:
         """The blob's bytes (a writable buffer where the backend fills one in place, taken from
         ``alloc(size)``, by default ``fresh_buffer``); ``BlobMissing`` when there is none."""
+        return self.read_versioned(location, alloc)[0]
+
+    def read_versioned(self, location: str, alloc: Alloc | None = None
+                       ) -> tuple[bytes | memoryview, Hashable | None]:
+        """``read``, and the version of the blob read: two reads with equal versions read the
+        same stored bytes. None where the backend cannot tell."""
         if not valid_location(location):
             raise BlobMissing(location, "not a blob location")
         return self._read(location, alloc or fresh_buffer)
@@ -112,7 +122,8 @@ class Durable(ABC):
         """Remove what writers that died mid-write left; returns how many."""
 
     @abstractmethod
-    def _read(self, location: str, alloc: Alloc) -> bytes | memoryview: ...
+    def _read(self, location: str, alloc: Alloc
+              ) -> tuple[bytes | memoryview, Hashable | None]: ...
 
     @abstractmethod
     def _write(self, location: str, data: bytes) -> None: ...
@@ -122,6 +133,16 @@ class Durable(ABC):
 
     @abstractmethod
     def _delete(self, location: str) -> bool: ...
+
+
+def file_version(stat: os.stat_result) -> tuple[int, ...] | None:
+    """A file's identity, size and change times: any write, truncation or replacement of the
+    file changes them (the kernel sets the change time; no call sets it back). None while the
+    last change is under ``RACY_S`` old: a change within the same clock tick could leave the
+    times as they were (git calls such files "racily clean")."""
+    if time.time() - stat.st_ctime < RACY_S:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 class LocalDir(Durable):
@@ -134,16 +155,16 @@ class LocalDir(Durable):
         # only queue on the GIL (k = 50 on 2 CPUs: 17 ms with 2 threads, 26 ms with 8).
         self.read_threads = len(process_cpus())
 
-    def _read(self, location: str, alloc: Alloc) -> memoryview:
+    def _read(self, location: str, alloc: Alloc) -> tuple[memoryview, Hashable | None]:
         """The file read with one copy into a buffer from ``alloc``, which the decoded tensors
-        then view (``read_bytes`` gives immutable bytes)."""
+        then view (``read_bytes`` gives immutable bytes), and its version before the read."""
         try:
             with (self.root / location).open("rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buffer = memoryview(alloc(size))
-                if f.readinto(buffer) != size or f.read(1):
+                stat = os.fstat(f.fileno())
+                buffer = memoryview(alloc(stat.st_size))
+                if f.readinto(buffer) != stat.st_size or f.read(1):
                     raise OSError(errno.EIO, f"{location} changed size while it was read")
-                return buffer
+                return buffer, file_version(stat)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise BlobMissing(location, "no such blob") from None
 
@@ -245,10 +266,10 @@ class S3Objects(Durable):
                 raise BlobMissing(location, "no such blob") from None
             raise OSError(errno.EIO, f"s3://{self.bucket}/{self.prefix}{location}: {exc}") from exc
 
-    def _read(self, location: str, alloc: Alloc) -> bytes:
+    def _read(self, location: str, alloc: Alloc) -> tuple[bytes, None]:
         with self._errors(location):  # the client's own buffer: no copy into alloc's
             response = self._client.get_object(Bucket=self.bucket, Key=self.prefix + location)
-            return response["Body"].read()
+            return response["Body"].read(), None
 
     def _write(self, location: str, data: bytes) -> None:
         # Nothing is sent before both points: a crash at either leaves no object.

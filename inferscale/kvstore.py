@@ -5,9 +5,11 @@ the preamble alone, stored next to it; or "preamble") and encoded by ``inferscal
 callers use names (``exists``, ``put``, ``load``) or the locations recorded in Postgres
 (``get``, ``get_many``), never paths. Evicting or deleting a fact's blob takes its lead blob
 with it. The durable tier (``inferscale.durable``: a directory or a bucket)
-makes writes atomic; checksum and fingerprint are verified when a blob is paged in from it. A
-blob may be rewritten under its name (a fact encoded again): a memory tier serves its copy only
-to a reader that expects that copy's checksum (or none), others page the new blob in.
+makes writes atomic; checksum and fingerprint are verified when a blob is paged in from it,
+except that a store hashes a file's content once per version of the file (``file_version``:
+identity, size and change times; a bucket's objects are hashed at every read). A blob may be
+rewritten under its name (a fact encoded again): a memory tier serves its copy only to a reader
+that expects that copy's checksum (or none), others page the new blob in.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 import torch
+from cachetools import LRUCache
 
 from inferscale.blob import KVBlob, decode_blob, encode_blob
 from inferscale.durable import BlobMissing, Durable, KVBlobError, open_durable
@@ -39,6 +42,7 @@ __all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", 
 # requests in flight, and those buffers are reused instead of faulted in afresh every time
 # (mapped only once a page-in needs it).
 PAGE_IN_ARENA_MIN = 256 << 20
+VERIFIED_VERSIONS = 1 << 16  # blob versions remembered as hashed: ~64 GB of KV at 1 MB a blob
 _BLOB = ".safetensors"
 
 
@@ -142,6 +146,10 @@ class KVStore:
         # pinned to one (vLLM's CPU worker)
         self._pool = ThreadPoolExecutor(durable.read_threads, thread_name_prefix="kv-page-in",
                                         initializer=run_on_process_cpus)
+        # location -> (version, checksum) of the last version read there whose content hashed
+        # to its checksum: reading that version again hashes nothing (half a page-in's CPU)
+        self._verified: LRUCache[str, tuple[Hashable, str]] = LRUCache(VERIFIED_VERSIONS)
+        self._verified_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings, fingerprint: str, host_bytes: int,
@@ -176,11 +184,21 @@ class KVStore:
         return StoredBlob(location=location, nbytes=len(data), checksum=checksum)
 
     def _read_durable(self, location: str, expected_checksum: str | None) -> KVBlob:
-        raw = self.durable.read(location, self.arena.take if self.arena else None)
+        raw, version = self.durable.read_versioned(location,
+                                                   self.arena.take if self.arena else None)
+        known = None
+        if version is not None:
+            with self._verified_lock:
+                last = self._verified.get(location)
+            known = last[1] if last is not None and last[0] == version else None
         try:
-            blob, checksum = decode_blob(raw)
+            blob, checksum = decode_blob(raw, known)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt blob
             raise ChecksumMismatch(location, f"unreadable blob: {exc}") from None
+        KV_METRICS.page_in_checks.labels("known_version" if known else "hashed").inc()
+        if version is not None and checksum is not None and known is None:
+            with self._verified_lock:
+                self._verified[location] = version, checksum
         if blob.fingerprint != self.fingerprint:
             raise FingerprintMismatch(
                 location, f"made for {blob.fingerprint[:16]}, serving {self.fingerprint[:16]}")

@@ -13,6 +13,7 @@ class _KVMetrics:
     evictions: Counter
     page_in_bytes: Counter
     page_in_seconds: Histogram
+    page_in_checks: Counter
     load_failures: Counter
     injected_tokens: Counter
     inject_seconds: Histogram
@@ -25,6 +26,9 @@ KV_METRICS = _KVMetrics(
     evictions=Counter("inferscale_kv_cache_evictions", "KV cache evictions", ["tier"]),
     page_in_bytes=Counter("inferscale_kv_page_in_bytes", "Bytes paged in from the durable tier"),
     page_in_seconds=Histogram("inferscale_kv_page_in_seconds", "Durable page-in latency"),
+    page_in_checks=Counter("inferscale_kv_page_in_checks",
+                           "Durable page-ins by checksum check: content hashed, or a file "
+                           "version already hashed", ["check"]),
     load_failures=Counter("inferscale_kv_load_failures",
                           "Injections refused and recomputed by vLLM", ["reason"]),
     injected_tokens=Counter("inferscale_kv_injected_tokens", "Tokens written into vLLM's cache"),

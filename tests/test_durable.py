@@ -7,6 +7,7 @@ import errno
 import os
 import subprocess
 import threading
+import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +20,8 @@ from pydantic import ValidationError
 from sqlalchemy import insert
 
 from conftest import BUCKET
+from inferscale import blob as blob_format
+from inferscale import durable as durable_module
 from inferscale import failpoints
 from inferscale.db.tables import facts
 from inferscale.durable import Durable, LocalDir, S3Objects, open_durable, valid_location
@@ -86,6 +89,70 @@ def test_round_trip_through_the_tiers(store):
     assert blob.token_ids == [1, 2, 3, 4, 5] and blob.window == 5
     assert fresh.get(stored.location) is blob  # served from the host tier
     assert torch.equal(fresh.load("42", stored.checksum).v, v)
+
+
+def _counting_hashes(monkeypatch) -> list[int]:
+    """How many times blob contents get hashed from now on (one list item per hash)."""
+    hashes, hash_ = [], blob_format.blob_checksum
+
+    def counting(*args, **kwargs):
+        hashes.append(1)
+        return hash_(*args, **kwargs)
+
+    monkeypatch.setattr(blob_format, "blob_checksum", counting)
+    return hashes
+
+
+def _settle() -> None:
+    """Let the last change of a file get older than RACY_S (shortened by the caller)."""
+    time.sleep(durable_module.RACY_S * 2)
+
+
+def test_a_settled_blob_is_hashed_once_per_version_of_its_file(store, monkeypatch):
+    """Re-reading a file version already verified hashes nothing (local files; a bucket's
+    objects are hashed at every read); any change to the file is hashed again and caught."""
+    monkeypatch.setattr(durable_module, "RACY_S", 0.05)
+    hashes = _counting_hashes(monkeypatch)
+    stored = store.put("8", *_kv(seed=1), [1, 2, 3, 4, 5], window=0)
+    _settle()
+    reader = KVStore(store.durable, FP_A, host_bytes=0)  # no host tier: every get pages in
+    hashes.clear()  # the write's own
+    first = [reader.get(stored.location, stored.checksum) for _ in range(3)]
+    local = isinstance(store.durable, LocalDir)
+    assert len(hashes) == (1 if local else 3)
+    assert all(torch.equal(blob.k, first[0].k) for blob in first)
+    if local:  # changed in place, same size and inode: caught at once and once settled
+        with (store.durable.root / stored.location).open("r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+        with pytest.raises(ChecksumMismatch):
+            reader.get(stored.location)
+        _settle()
+        with pytest.raises(ChecksumMismatch):
+            reader.get(stored.location)
+    k, v = _kv(seed=2)
+    again = store.put("8", k, v, [1, 2, 3, 4, 5], window=0)  # replaced: a new version
+    _settle()
+    hashes.clear()
+    assert torch.equal(reader.get(again.location, again.checksum).k, k)
+    assert torch.equal(reader.get(again.location, again.checksum).v, v)
+    assert len(hashes) == (1 if local else 2)
+
+
+def test_a_file_changed_within_racy_s_is_hashed_at_every_read(tmp_path, monkeypatch):
+    hashes = _counting_hashes(monkeypatch)
+    store = KVStore(LocalDir(tmp_path), FP_A, host_bytes=0)
+    stored = store.put("9", *_kv(), [1, 2, 3, 4, 5], window=0)
+    hashes.clear()  # the write's own
+    for _ in range(3):
+        store.get(stored.location, stored.checksum)
+    assert len(hashes) == 3
+    assert store.durable.read_versioned(stored.location)[1] is None
+    monkeypatch.setattr(durable_module, "RACY_S", 0.0)
+    versions = {store.durable.read_versioned(stored.location)[1] for _ in range(2)}
+    assert len(versions) == 1 and None not in versions
 
 
 def test_damaged_foreign_and_missing_blobs_are_refused(store):
@@ -191,20 +258,20 @@ def test_get_many_pages_misses_in_concurrently_in_order(store, monkeypatch):
     fresh = KVStore(store.durable, FP_A, host_bytes=1 << 20)
     warm = fresh.get(locations[1])
     barrier = threading.Barrier(3, timeout=10)  # the 3 misses: read one by one, it would break
-    readers, read = set(), fresh.durable.read
+    readers, read = set(), fresh.durable.read_versioned
 
-    def concurrent_read(location: str, alloc=None) -> bytes:
+    def concurrent_read(location: str, alloc=None):
         readers.add(threading.get_ident())
         barrier.wait()
         return read(location, alloc)
 
-    monkeypatch.setattr(fresh.durable, "read", concurrent_read)
+    monkeypatch.setattr(fresh.durable, "read_versioned", concurrent_read)
     blobs = fresh.get_many(locations + [locations[0]], checksums + [checksums[0]])
     assert len(readers) == 3 and threading.get_ident() not in readers
     assert blobs[1] is warm and blobs[4] is blobs[0]
     for blob, want in zip(blobs, expected + expected[:1], strict=True):
         assert torch.equal(blob.k, want.k) and blob.token_ids == want.token_ids
-    monkeypatch.setattr(fresh.durable, "read", read)
+    monkeypatch.setattr(fresh.durable, "read_versioned", read)
     assert fresh.get_many([], []) == []
     with pytest.raises(BlobMissing):
         fresh.get_many([locations[0], "fp/xx/9.safetensors"], [None, None])
@@ -223,13 +290,13 @@ def test_page_ins_run_on_every_cpu_of_the_process_when_the_caller_is_pinned(tmp_
     stored = store.put("1", *_kv(), [1] * 5, window=0)
     assert store.durable.read_threads == len(process_cpus())
     seen: list[set[int]] = []
-    read = store.durable.read
+    read = store.durable.read_versioned
 
-    def recording_read(location: str, alloc=None) -> bytes:
+    def recording_read(location: str, alloc=None):
         seen.append(os.sched_getaffinity(0))
         return read(location, alloc)
 
-    monkeypatch.setattr(store.durable, "read", recording_read)
+    monkeypatch.setattr(store.durable, "read_versioned", recording_read)
     everywhere = os.sched_getaffinity(0)
 
     def pinned_caller() -> None:
