@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import time
 import uuid
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import httpx
 
 from inferscale.bench.client import ChatResult, scrape, stream_chat, totals
 from inferscale.bench.common import percentile, print_table, write_report
+from inferscale.bench.cpu import per_process, thread_times
 from inferscale.db.engine import create_engine
 from inferscale.kafka import ensure_topics, publish_turns
 from inferscale.settings import Settings
@@ -70,8 +72,9 @@ def computed_tokens(pairs: list[tuple[dict, dict]]) -> float:
 
 async def measure(url: str, user: str, questions: list[str], ks: list[int],
                   modes: tuple[str, ...] = MODES) -> list[dict]:
-    """Per (k, mode): median/p90 of HTTP TTFT, vLLM's mean engine TTFT and the mean host time
-    per request of each stage."""
+    """Per (k, mode): median/p90 of HTTP TTFT, vLLM's mean engine TTFT, the mean host time
+    per request of each stage, and the wall time and each process's CPU time per request
+    (untimed priming requests included)."""
     rows = []
     async with httpx.AsyncClient(timeout=300) as client:
         for question in questions[:2]:  # warm-up: compile paths, load caches
@@ -79,7 +82,10 @@ async def measure(url: str, user: str, questions: list[str], ks: list[int],
                 await _ask(client, url, user, question, mode, max(ks))
         for k in ks:
             for mode in modes:
+                cpu_before, started = thread_times(), time.perf_counter()
                 asked = [await _ask(client, url, user, q, mode, k) for q in questions]
+                wall_ms = (time.perf_counter() - started) * 1000 / len(asked)
+                cpu = per_process(cpu_before, thread_times(), len(asked))
                 results, pairs = [a[0] for a in asked], [a[1:] for a in asked]
                 ttfts = [r.ttft for r in results]
                 rows.append({
@@ -92,6 +98,12 @@ async def measure(url: str, user: str, questions: list[str], ks: list[int],
                     "injected_tokens": statistics.median(
                         int(r.headers.get("x-inferscale-injected-tokens", 0)) for r in results),
                     "computed_tokens": computed_tokens(pairs),
+                    # durable page-ins per request: content hashed, or a file version hashed
+                    # before (by this server)
+                    "page_in_checks": {check: _delta(pairs, "inferscale_kv_page_in_checks_total",
+                                                     check=check) / len(pairs)
+                                       for check in ("hashed", "known_version")},
+                    "wall_ms_per_request": wall_ms, "processes": cpu,
                     "retrieval_ms": statistics.median(
                         float(r.headers.get("x-inferscale-retrieval-ms", 0)) for r in results),
                     "stages_ms": {label: _delta(pairs, metric, **({"stage": stage} if stage
@@ -180,13 +192,22 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
                       round(hit["computed_tokens"]), round(inject["computed_tokens"])])
         for row in (inject, disk):
             breakdown.append([k, row["mode"], *row["stages_ms"].values(),
+                              *row["page_in_checks"].values(),
                               row["engine_ttft_mean_s"] * 1000, hit["engine_ttft_mean_s"] * 1000])
     print_table(["k", "none p50", "text p50", "prefix-hit p50", "inject p50", "inject-disk p50",
                  "text/inject", "inject/hit", "disk/hit", "prompt tok", "injected tok",
                  "computed tok hit", "computed tok inject"], table)
-    print("host ms per request by stage, and vLLM's mean engine TTFT (ms):")
-    print_table(["k", "mode", *(label for label, _, _ in STAGES), "engine TTFT",
+    print("host ms per request by stage, page-ins hashed / of known versions per request, and "
+          "vLLM's mean engine TTFT (ms):")
+    print_table(["k", "mode", *(label for label, _, _ in STAGES), "hashed", "known version",
+                 "engine TTFT",
                  "engine TTFT prefix-hit"], breakdown)
+    print(f"per request at k = {max(ks)}: wall ms, then CPU / run-queue wait ms by process:")
+    for row in rows:
+        if row["k"] == max(ks):
+            print(f"  {row['mode']:>11}: {row['wall_ms_per_request']:6.1f}  " + ", ".join(
+                f"{name} {t['cpu_ms']:.1f}/{t['runqueue_wait_ms']:.1f}"
+                for name, t in row["processes"].items()))
     report = {"n_queries": len(questions), "facts": len(turns), "encode_s": encode_s,
               "durable_tier": settings.kv_url or str(settings.kv_path), "rows": rows}
     write_report(out_dir, "ttft", report)
