@@ -170,7 +170,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         limit = len(prompt) - 1  # the last prompt token is always computed
         segments: list[Segment] = []
         for segment in plan.segments:
-            if segment.end > limit or prompt[segment.start:segment.end] != segment.token_ids:
+            if segment.end > limit or not segment.matches(prompt[segment.start:segment.end]):
                 break
             if not self._blob_present(segment.name):
                 break
@@ -388,7 +388,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         blobs = self._store.load_many([s.name for s in segments],  # misses concurrently
                                       [s.checksum for s in segments])
         for segment, blob in zip(segments, blobs, strict=True):
-            if blob.token_ids != segment.token_ids:
+            if not segment.matches(blob.token_ids):
                 raise ValueError(f"blob {segment.name} does not match the prompt tokens")
             if blob.k.dtype != self._dtype or (blob.k.shape[0], *blob.k.shape[2:]) != (
                     self._kv_shape):

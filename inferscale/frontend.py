@@ -265,11 +265,11 @@ async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: li
         messages)
     plan = None
     if mode == "inject":
-        plan_segments = [Segment(PREAMBLE, 0, list(rt.layout.preamble_ids))]
+        plan_segments = [Segment.of(PREAMBLE, 0, rt.layout.preamble_ids)]
         plan_segments += [
-            Segment(lead_name(f.id), start, list(f.token_ids), f.kv_lead_checksum)
+            Segment.of(lead_name(f.id), start, f.token_ids, f.kv_lead_checksum)
             if i == 0 and options.lead and f.kv_lead_checksum else
-            Segment(str(f.id), start, list(f.token_ids), f.kv_checksum)
+            Segment.of(str(f.id), start, f.token_ids, f.kv_checksum)
             for i, (f, (start, _)) in enumerate(zip(injectable, prompt.fact_spans,
                                                     strict=False))]
         plan = Plan(rt.fingerprint, plan_segments, options.key_scales)

@@ -2,7 +2,9 @@
 
 Only the memory front end inside the server makes plans; the connector refuses any plan whose
 HMAC does not verify, so an HTTP client can neither name blobs nor borrow another user's facts.
-Plans carry fact ids (never paths) and the token ids each segment must match in the prompt.
+Plans carry fact ids (never paths) and, per segment, the length and a digest of the token ids it
+must match in the prompt and in its blob (not the ids: at k = 50 signing and checking 2,243 ids
+as JSON took 1.4 ms per request).
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 PLAN_KEY = "inferscale"
@@ -27,19 +32,37 @@ class PlanError(ValueError):
     """A plan that must not be used."""
 
 
+def token_digest(token_ids: Sequence[int]) -> str:
+    """BLAKE2b-128 of token ids as little-endian int64s (``OverflowError`` past int64)."""
+    ids = array("q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True)
 class Segment:
     """One stored span: ``name`` is a fact id, a lead blob (``lead_name``) or "preamble"; it
-    starts at ``start``."""
+    starts at ``start`` and holds ``length`` tokens whose ``token_digest`` is ``digest``."""
 
     name: str
     start: int
-    token_ids: list[int]
+    length: int
+    digest: str
     checksum: str | None = None
+
+    @classmethod
+    def of(cls, name: str, start: int, token_ids: Sequence[int],
+           checksum: str | None = None) -> Segment:
+        return cls(name, start, len(token_ids), token_digest(token_ids), checksum)
 
     @property
     def end(self) -> int:
-        return self.start + len(self.token_ids)
+        return self.start + self.length
+
+    def matches(self, token_ids: Sequence[int]) -> bool:
+        """Whether ``token_ids`` are this segment's tokens."""
+        return len(token_ids) == self.length and token_digest(token_ids) == self.digest
 
 
 @dataclass(frozen=True)
@@ -59,7 +82,7 @@ class Plan:
     def check_layout(self) -> None:
         position = 0
         for segment in self.segments:
-            if segment.start != position or not segment.token_ids:
+            if segment.start != position or segment.length < 1:
                 raise PlanError("segments must be contiguous, non-empty, from position 0")
             position = segment.end
 
@@ -72,23 +95,25 @@ def _mac(body: dict, secret: str) -> str:
 def sign(plan: Plan, secret: str) -> dict:
     """The plan as a JSON-able dict with its signature."""
     body = {"fingerprint": plan.fingerprint, "key_scales": plan.key_scales,
-            # (dataclasses.asdict deep-copies every id list)
-            "segments": [{"name": s.name, "start": s.start, "token_ids": s.token_ids,
-                          "checksum": s.checksum} for s in plan.segments]}
+            "segments": [{"name": s.name, "start": s.start, "length": s.length,
+                          "digest": s.digest, "checksum": s.checksum} for s in plan.segments]}
     return {**body, "sig": _mac(body, secret)}
 
 
+_SEGMENT_KEYS = ("name", "start", "length", "digest", "checksum")
+
+
 def _segment(raw: object) -> Segment:
-    if not isinstance(raw, dict) or set(raw) - {"name", "start", "token_ids", "checksum"}:
+    if not isinstance(raw, dict) or set(raw) - set(_SEGMENT_KEYS):
         raise PlanError("malformed plan: a segment must be an object")
-    name, start, ids, checksum = (raw.get(k) for k in ("name", "start", "token_ids", "checksum"))
+    name, start, length, digest, checksum = (raw.get(k) for k in _SEGMENT_KEYS)
     if not isinstance(name, str) or type(start) is not int or start < 0:
         raise PlanError("malformed plan: segment name/start")
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-        raise PlanError("malformed plan: segment token_ids")
+    if type(length) is not int or not isinstance(digest, str):
+        raise PlanError("malformed plan: segment length/digest")
     if checksum is not None and not isinstance(checksum, str):
         raise PlanError("malformed plan: segment checksum")
-    return Segment(name, start, ids, checksum)
+    return Segment(name, start, length, digest, checksum)
 
 
 def verify(data: object, secret: str) -> Plan:

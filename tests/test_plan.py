@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 from hostile import json_values, tried
 from inferscale.connector import PRESENT_MAX, PRESENT_TTL_S
-from inferscale.plan import PLAN_KEY, Plan, PlanError, Segment, _mac, sign, verify
+from inferscale.plan import PLAN_KEY, Plan, PlanError, Segment, _mac, sign, token_digest, verify
 
 SECRET = "s3cret"
 FUZZ = settings(max_examples=400, deadline=None)
 
 
 def _plan() -> Plan:
-    return Plan("f" * 64, [Segment("preamble", 0, [1, 2, 3]), Segment("7", 3, [4, 5], "c")])
+    return Plan("f" * 64, [Segment.of("preamble", 0, [1, 2, 3]), Segment.of("7", 3, [4, 5], "c")])
 
 
 def _signed_body(body: object) -> dict:
@@ -37,6 +37,16 @@ def test_signed_plan_round_trips_and_any_tampering_is_refused():
             verify({**signed, key: value}, SECRET)
     with pytest.raises(PlanError):
         verify(signed, "another secret")
+
+
+def test_a_segment_matches_exactly_its_own_tokens():
+    segment = Segment.of("7", 3, [4, 5, 70_000])
+    assert segment.end == 6 and segment.matches([4, 5, 70_000])
+    assert segment.matches((4, 5, 70_000))  # any sequence of the same ids
+    for other in ([4, 5], [4, 5, 70_000, 0], [5, 4, 70_000], [4, 5, 70_000 + 2**32], []):
+        assert not segment.matches(other)
+    with pytest.raises(OverflowError):
+        token_digest([2**63])
 
 
 def test_key_scale_strength_is_signed_and_must_be_a_number_in_0_1():
@@ -61,7 +71,9 @@ def test_unsigned_or_forged_plans_raise_plan_error_only(data):
 
 segment_like = st.fixed_dictionaries({}, optional={
     "name": json_values, "start": json_values | st.integers(-3, 10),
-    "token_ids": json_values | st.lists(st.integers(-2, 2**40), max_size=4),
+    "length": json_values | st.integers(-2, 6),
+    "digest": json_values | st.lists(st.integers(-2, 2**70), max_size=4).map(
+        lambda ids: token_digest(ids) if all(-2**63 <= t < 2**63 for t in ids) else "x"),
     "checksum": json_values, "extra": json_values})
 
 
@@ -79,7 +91,8 @@ def test_signed_malformed_plans_raise_plan_error_or_parse_typed(body):
     assert 0 <= plan.key_scales <= 1
     for segment in plan.segments:
         assert isinstance(segment.name, str) and type(segment.start) is int
-        assert all(type(t) is int for t in segment.token_ids)
+        assert type(segment.length) is int and segment.length >= 1
+        assert isinstance(segment.digest, str)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +138,8 @@ def test_the_plan_check_asks_the_durable_tier_once_per_present_blob(scheduler_si
     exists = store.durable.exists
     monkeypatch.setattr(store.durable, "exists", lambda loc: asked.append(loc) or exists(loc))
     monkeypatch.setattr(scheduler_side, "_present", TTLCache(PRESENT_MAX, PRESENT_TTL_S))
-    plan = Plan("f" * 64, [Segment("present-0", 0, [1, 2, 3]), Segment("present-1", 3, [4, 5])])
+    plan = Plan("f" * 64, [Segment.of("present-0", 0, [1, 2, 3]),
+                           Segment.of("present-1", 3, [4, 5])])
     request = SimpleNamespace(request_id="p", kv_transfer_params={PLAN_KEY: sign(plan, SECRET)},
                               prompt_token_ids=[1, 2, 3, 4, 5, 6])
     kv = torch.zeros((2, 3, 1, 4), dtype=torch.bfloat16)
