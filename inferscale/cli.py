@@ -164,6 +164,14 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.bench import pagein
 
         pagein.run(settings, resolve_model_path(settings), out, ks=tuple(args.k))
+    elif args.which == "inject":
+        from transformers import AutoConfig, LlamaConfig
+
+        from inferscale.bench import inject
+
+        config = (AutoConfig.from_pretrained(resolve_model_path(settings))
+                  if args.shape == "served" else LlamaConfig(**inject.SHAPES[args.shape]))
+        inject.run(config, out, ks=tuple(args.k), requests=args.n, model=not args.no_model)
     return 0
 
 
@@ -283,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
                                             "load", "extract", "retrieval",
-                                            "pagein"])
+                                            "pagein", "inject"])
     p.add_argument("--data", default=str(Path(__file__).parent / "data" /
                                          "sample_conversation.json"),
                    help="a LoCoMo-format file")
@@ -291,7 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=20,
                    help="facts / queries / turns (extract) per configuration")
     p.add_argument("--k", type=int, nargs="+", default=[0, 5, 10, 20, 50],
-                   help="ttft, retrieval, pagein: facts retrieved per question")
+                   help="ttft, retrieval, pagein, inject: facts retrieved per question")
+    p.add_argument("--shape", default="served", choices=["served", "llama-3.1-8b"],
+                   help="inject: K/V and model shapes (random values): the served model's or "
+                        "Llama-3.1-8B's")
+    p.add_argument("--no-model", action="store_true",
+                   help="inject: skip the model-forward baseline")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none; "

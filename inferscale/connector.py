@@ -9,15 +9,15 @@ of every segment, and claims the memory span (preamble + injected facts) minus t
 prefix-cache hit, never the last prompt token. Worker side: pages the segments' KV in by id
 (device -> host -> durable), applies Chunked RoPE to all layers in one call (and the key scales
 to the facts' keys, where the plan asks: ``key_scales.py``) and writes K/V with the attention
-backend's own cache-update op. A blob that is missing, corrupt, made for another
-model or does not match the prompt is reported as failed blocks, which vLLM recomputes.
+backend's own cache-update op (``kvchain.py``), or in one fused pass on the CPU
+(``kvwrite.py``). A blob that is missing, corrupt, made for another model or does not match the
+prompt is reported as failed blocks, which vLLM recomputes.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import re
 import time
 from collections.abc import Callable
@@ -34,8 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from inferscale.fingerprint import model_fingerprint
 from inferscale.key_scales import key_factor, resolve_key_scales
+from inferscale.kvchain import ChainWriter
 from inferscale.kvstore import KVStore
-from inferscale.kvwrite import FusedCpuWriter
+from inferscale.kvwrite import FusedCpuWriter, FusedTritonWriter, first_exact, fused_writers
 from inferscale.metrics import KV_METRICS
 from inferscale.plan import PLAN_KEY, PREAMBLE, PlanError, Segment, verify
 from inferscale.rope import ChunkedRope, model_head_dim
@@ -115,7 +116,6 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._claimed: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
         self._layers: list[tuple[int, Any]] | None = None
-        self._staging: torch.Tensor | None = None
         self._writer: Any = _UNDECIDED  # FusedCpuWriter or None, once the layers are known
         if role == KVConnectorRole.WORKER:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,6 +124,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                                                 settings.device_cache_bytes, device=device)
             self._rope = ChunkedRope(model_config.hf_config, model_config.dtype, device,
                                      max_position=max(model_config.max_model_len, 1))
+            self._chain = ChainWriter(self._rope)
             self._dtype = model_config.dtype
             hf = model_config.hf_config
             self._kv_shape = (hf.num_hidden_layers, model_config.get_total_num_kv_heads(),
@@ -250,7 +251,8 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
         """Page in every load's KV and write it, keys rotated to their positions (and the
         facts' keys scaled where the plan asks): with the fused CPU writer where it applies,
-        else with the portable chain (``_write_chain``)."""
+        else with the portable chain (``kvchain.py``). Positions, slots and scales are built on
+        the host; the chain moves them to the device without waiting for it."""
         started = time.perf_counter()
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         positions, slots = [], []
@@ -258,8 +260,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         for spec in loads:
             try:
                 spec_pieces = self._pieces(spec)
-                spec_positions = torch.arange(spec.start, spec.end,
-                                              device=spec_pieces[0][0].device)
+                spec_positions = torch.arange(spec.start, spec.end)
                 spec_slots = self._slots(spec, spec_positions)
             except Exception as exc:  # noqa: BLE001 - any bad blob or spec: recompute it
                 log.warning("request %s: falling back to prefill: %s", spec.request_id, exc)
@@ -274,13 +275,13 @@ class InferScaleConnector(KVConnectorBase_V1):
             return
         layers = self._attention_layers(forward_context)
         scaled = any(run_scales is not None for run_scales, _ in runs)
-        scales = key_factor(runs, self._kv_shape[0], pieces[0][0].device,
-                            pieces[0][0].dtype) if scaled else None
+        scales = key_factor(runs, self._kv_shape[0], dtype=pieces[0][0].dtype) if scaled else None
         slot_mapping, all_positions = torch.cat(slots), torch.cat(positions)
         writer = self._fused_writer(layers)
         paged_in = time.perf_counter()
         if writer is None:
-            stages = self._write_chain(pieces, all_positions, scales, slot_mapping, layers)
+            stages = self._chain.write(pieces, all_positions, slot_mapping, scales,
+                                       self._cache_update(layers))
             stages["gather"] += paged_in - started
         else:
             writer.write(pieces, all_positions, slot_mapping, scales,
@@ -290,84 +291,35 @@ class InferScaleConnector(KVConnectorBase_V1):
             KV_METRICS.stage_seconds.labels(stage).observe(seconds)
         KV_METRICS.injected_tokens.inc(len(slot_mapping))
 
-    def _write_chain(self, pieces: list[tuple[torch.Tensor, torch.Tensor]],
-                     positions: torch.Tensor, scales: torch.Tensor | None,
-                     slot_mapping: torch.Tensor, layers: list[tuple[int, Any]],
-                     caches: list[torch.Tensor] | None = None) -> dict[str, float]:
-        """The portable path (CPU or CUDA): copy the pieces once into the staging buffer, rotate
-        all keys in place in one kernel call that also scales them, then write each layer's K/V
-        with one cache update (into ``caches[i]`` for layer i, else the layers' own). Returns
-        the seconds of each stage."""
-        started = time.perf_counter()
-        k, v = self._staged(sum(piece[0].shape[1] for piece in pieces), pieces[0][0])
-        torch.cat([piece[0] for piece in pieces], dim=1, out=k)
-        torch.cat([piece[1] for piece in pieces], dim=1, out=v)
-        gathered = time.perf_counter()
-        self._rope.rotate_(k, positions, scales)
-        rotated = time.perf_counter()
-        for index, layer in layers:
-            layer.impl.do_kv_cache_update(layer, k[index], v[index],
-                                          layer.kv_cache if caches is None else caches[index],
-                                          slot_mapping)
-        return {"gather": gathered - started, "rope": rotated - gathered,
-                "cache_write": time.perf_counter() - rotated}
+    @staticmethod
+    def _cache_update(layers: list[tuple[int, Any]], caches: list[torch.Tensor] | None = None
+                      ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """Layer i's K/V written with its attention backend's cache update, into ``caches[i]``
+        (else the layer's own cache)."""
+        by_index = dict(layers)
 
-    def _fused_writer(self, layers: list[tuple[int, Any]]) -> FusedCpuWriter | None:
-        """The fused CPU writer for these layers, decided once: only where the kernel applies
-        and, on a probe, writes exactly what the portable chain writes."""
+        def update(index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+            layer = by_index[index]
+            layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache if caches is None
+                                          else caches[index], slots)
+
+        return update
+
+    def _fused_writer(self, layers: list[tuple[int, Any]]
+                      ) -> FusedCpuWriter | FusedTritonWriter | None:
+        """The fused writer for these layers, decided once: the first whose kernel applies and,
+        on a probe, writes exactly what the portable chain writes (``kvwrite.first_exact``)."""
         if self._writer is _UNDECIDED:
-            writer = FusedCpuWriter.for_layers(layers, self._kv_shape[0], self._rope.cos_sin,
-                                               self._rope.rotary_dim)
-            try:
-                if writer is not None and not self._writes_like_chain(writer, layers):
-                    log.warning("fused KV writer differs from vLLM's ops here: not used")
-                    writer = None
-            except Exception:  # noqa: BLE001 - a probe that cannot run: the portable path
-                log.exception("fused KV writer probe failed: not used")
-                writer = None
-            log.info("KV writes: %s", "fused CPU kernel" if writer else "vLLM's ops")
-            self._writer = writer
+            def chain(pieces, positions, slots, scales, caches):
+                self._chain.write(pieces, positions, slots, scales,
+                                  self._cache_update(layers, caches))
+                self._chain.release()
+
+            self._writer = first_exact(
+                fused_writers(layers, self._kv_shape[0], self._rope.cos_sin,
+                              self._rope.rotary_dim), chain, self._kv_shape, self._block_size)
+            log.info("KV writes: %s", self._writer.name if self._writer else "vLLM's ops")
         return self._writer
-
-    def _writes_like_chain(self, writer: FusedCpuWriter, layers: list[tuple[int, Any]]
-                           ) -> bool:
-        """Both paths write two random pieces (one not starting at its blob's first token),
-        scaled, at positions across a block boundary, into two small caches: same bits?"""
-        gen = torch.Generator().manual_seed(0)
-        num_layers, heads, dim = self._kv_shape
-        block = self._block_size
-        cache_shape = (2, heads, block, 2 * dim)
-
-        def random(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen).to(self._dtype)
-
-        pieces = [(random(num_layers, 7, heads, dim)[:, 2:], random(num_layers, 7, heads, dim)
-                   [:, 2:]), (random(num_layers, block, heads, dim),
-                              random(num_layers, block, heads, dim))]
-        tokens = 5 + block
-        positions = torch.arange(3, 3 + tokens)
-        slots = torch.tensor([1, 0])[positions // block] * block + positions % block
-        scales = (torch.rand(num_layers, tokens, generator=gen) + 0.5).to(self._dtype)
-        caches = [[torch.zeros(cache_shape, dtype=self._dtype) for _ in range(num_layers)]
-                  for _ in range(2)]
-        writer.write(pieces, positions, slots, scales, caches[0])
-        self._write_chain(pieces, positions, scales, slots, layers, caches[1])
-        self._staging = None
-        return all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
-
-    def _staged(self, tokens: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous K and V ``[layers, tokens, heads, head_dim]`` in one buffer kept across
-        steps and grown as needed: a fresh ~50 MB buffer per step (k = 50) is, whenever the
-        allocator has handed the last one back to the OS, ~50 MB of page faults (a CPU step
-        then took 29 ms instead of 17)."""
-        shape = (like.shape[0], tokens, *like.shape[2:])
-        size = 2 * math.prod(shape)
-        staging = self._staging
-        if staging is None or staging.numel() < size or (staging.dtype, staging.device) != (
-                like.dtype, like.device):
-            staging = self._staging = like.new_empty(size)
-        both = staging[:size].view(2, *shape)
-        return both[0], both[1]
 
     def _scale_runs(self, spec: LoadSpec, pieces: list[tuple[torch.Tensor, torch.Tensor, str]]
                     ) -> list[tuple[torch.Tensor | None, int]]:
@@ -401,7 +353,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         return pieces
 
     def _slots(self, spec: LoadSpec, positions: torch.Tensor) -> torch.Tensor:
-        blocks = torch.tensor(spec.block_ids, dtype=torch.long, device=positions.device)
+        blocks = torch.tensor(spec.block_ids, dtype=torch.long)
         return blocks[positions // self._block_size] * self._block_size + (
             positions % self._block_size)
 

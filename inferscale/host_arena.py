@@ -6,7 +6,8 @@ mapping advised for huge pages and 3.2 ms into memory already faulted in (README
 arena maps chunks advised for transparent huge pages and hands out blocks of them first-fit. A
 block goes back to the arena when the last view of it (a decoded blob's tensors) is freed, so
 memory evicted from the host tier is reused already faulted in. Past its byte cap, or where a
-block does not fit, it hands out fresh memory.
+block does not fit, it hands out fresh memory. Page-ins bound for a GPU go to pinned memory
+instead (``pinned_buffer``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ import threading
 import weakref
 
 import numpy as np
+import torch
 
 from inferscale.durable import fresh_buffer
 
 GRANULE = 64 << 10  # block sizes are multiples of this
 CHUNK = 64 << 20  # bytes mapped at a time (a larger block gets a mapping of its own)
+
+
+def pinned_buffer(size: int) -> np.ndarray:
+    """``size`` bytes of page-locked memory from PyTorch's caching host allocator (reused once
+    the array and its views are gone), for page-ins bound for a GPU."""
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 def _rounded(size: int) -> int:

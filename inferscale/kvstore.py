@@ -14,6 +14,7 @@ that expects that copy's checksum (or none), others page the new blob in.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
 from collections import OrderedDict
@@ -28,7 +29,7 @@ from cachetools import LRUCache
 
 from inferscale.blob import KVBlob, decode_blob, encode_blob
 from inferscale.durable import BlobMissing, Durable, KVBlobError, open_durable
-from inferscale.host_arena import HostArena
+from inferscale.host_arena import HostArena, pinned_buffer
 from inferscale.metrics import KV_METRICS
 from inferscale.plan import LEAD
 from inferscale.procs import run_on_process_cpus
@@ -130,18 +131,27 @@ class KVStore:
     """Durable tier plus in-memory LRU tiers (host RAM; device when it is not CPU)."""
 
     def __init__(self, durable: Durable, fingerprint: str, host_bytes: int, device_bytes: int = 0,
-                 device: torch.device | str = "cpu", arena_bytes: int | None = None):
+                 device: torch.device | str = "cpu", arena_bytes: int | None = None,
+                 pinned: bool | None = None):
         self.durable = durable
         self.fingerprint = fingerprint
         self.device = torch.device(device)
         self.host = ByteLRU(host_bytes, "host")
-        # page-ins read into reused, huge-page-backed memory, by default 1.25x the host tier's
-        # budget (block rounding, and blobs evicted while a request still reads them), at least
-        # PAGE_IN_ARENA_MIN; 0: none
+        # A CUDA store reads page-ins into pinned memory (PyTorch's caching host allocator
+        # reuses it), so host-tier blobs go to the device in non-blocking copies at the link's
+        # speed; ``pinned=False`` reads them into pageable memory (for comparison).
+        self.pinned = self.device.type == "cuda" if pinned is None else pinned
+        # Elsewhere page-ins read into reused, huge-page-backed memory, by default 1.25x the host
+        # tier's budget (block rounding, and blobs evicted while a request still reads them), at
+        # least PAGE_IN_ARENA_MIN; 0: none
         if arena_bytes is None:
             arena_bytes = max(host_bytes * 5 // 4, PAGE_IN_ARENA_MIN)
-        self.arena = HostArena(arena_bytes) if arena_bytes else None
+        self.arena = HostArena(arena_bytes) if arena_bytes and not self.pinned else None
         self.hot = ByteLRU(device_bytes, "device") if self.device.type != "cpu" else None
+        # host blobs whose non-blocking copies to the device may still be reading them, with
+        # the event that marks their end: kept alive until then, so their memory is not reused
+        self._copying: collections.deque[tuple[torch.cuda.Event, list[KVBlob]]] = (
+            collections.deque())
         # page-ins run on every CPU of the process, also where the thread starting them is
         # pinned to one (vLLM's CPU worker)
         self._pool = ThreadPoolExecutor(durable.read_threads, thread_name_prefix="kv-page-in",
@@ -184,8 +194,7 @@ class KVStore:
         return StoredBlob(location=location, nbytes=len(data), checksum=checksum)
 
     def _read_durable(self, location: str, expected_checksum: str | None) -> KVBlob:
-        raw, version = self.durable.read_versioned(location,
-                                                   self.arena.take if self.arena else None)
+        raw, version = self.durable.read_versioned(location, self._page_in_buffer)
         known = None
         if version is not None:
             with self._verified_lock:
@@ -207,28 +216,48 @@ class KVStore:
         KV_METRICS.page_in_bytes.inc(len(raw))
         return blob
 
+    @property
+    def _page_in_buffer(self):
+        """What page-ins are read into: pinned memory, the arena's blocks or fresh memory."""
+        return pinned_buffer if self.pinned else self.arena.take if self.arena else None
+
     def sweep_temp(self) -> int:
         """Remove what writers that died mid-write left in the durable tier."""
         return self.durable.sweep_temp()
 
     # --- tiered reads -------------------------------------------------------------------------
 
-    def _on_device(self, location: str, blob: KVBlob) -> KVBlob:
+    def _on_device(self, location: str, blob: KVBlob, sources: list[KVBlob]) -> KVBlob:
+        """The blob copied to the device (not waiting for the copy) and put in the device
+        tier; the host blob joins ``sources`` (see ``_keep_until_copied``)."""
         if self.hot is None:
             return blob
-        blob = replace(blob, k=blob.k.to(self.device, non_blocking=True),
-                       v=blob.v.to(self.device, non_blocking=True))
-        self.hot.put(location, blob)
-        return blob
+        sources.append(blob)
+        on_device = replace(blob, k=blob.k.to(self.device, non_blocking=True),
+                            v=blob.v.to(self.device, non_blocking=True))
+        self.hot.put(location, on_device)
+        return on_device
 
-    def _from_memory(self, location: str, expected_checksum: str | None) -> KVBlob | None:
+    def _keep_until_copied(self, sources: list[KVBlob]) -> None:
+        """Hold the host blobs of this call's non-blocking copies until the device's stream
+        has run past them (checked without waiting), and let go of earlier ones that are done:
+        a pinned buffer freed while a copy reads it could be refilled by the next page-in."""
+        while self._copying and self._copying[0][0].query():
+            self._copying.popleft()
+        if sources and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._copying.append((event, sources))
+
+    def _from_memory(self, location: str, expected_checksum: str | None,
+                     sources: list[KVBlob]) -> KVBlob | None:
         """The blob from the device or host cache (moved to the device), or None (also when the
         copy there is not the version expected)."""
         if self.hot is not None and (
                 blob := self.hot.get(location, expected_checksum)) is not None:
             return blob
         blob = self.host.get(location, expected_checksum)
-        return None if blob is None else self._on_device(location, blob)
+        return None if blob is None else self._on_device(location, blob, sources)
 
     def _page_in(self, location: str, expected_checksum: str | None) -> KVBlob:
         """The blob from the durable tier (verified), cached in host RAM. Thread-safe: device
@@ -240,9 +269,12 @@ class KVStore:
 
     def get(self, location: str, expected_checksum: str | None = None) -> KVBlob:
         """The blob on this store's device: device cache -> host cache -> durable (verified)."""
-        blob = self._from_memory(location, expected_checksum)
-        return blob if blob is not None else self._on_device(
-            location, self._page_in(location, expected_checksum))
+        sources: list[KVBlob] = []
+        blob = self._from_memory(location, expected_checksum, sources)
+        if blob is None:
+            blob = self._on_device(location, self._page_in(location, expected_checksum), sources)
+        self._keep_until_copied(sources)
+        return blob
 
     def get_many(self, locations: list[str], checksums: list[str | None]) -> list[KVBlob]:
         """The blobs at ``locations`` (with their expected checksums), in order, as ``get``
@@ -250,16 +282,19 @@ class KVStore:
         page-in has ended when it returns; the error of the first blob that failed is raised."""
         if len(locations) != len(checksums):
             raise ValueError(f"{len(locations)} locations but {len(checksums)} checksums")
-        blobs = [self._from_memory(location, checksum)
+        sources: list[KVBlob] = []
+        blobs = [self._from_memory(location, checksum, sources)
                  for location, checksum in zip(locations, checksums, strict=True)]
         misses: dict[tuple[str, str | None], Future[KVBlob]] = {}
         for location, checksum, blob in zip(locations, checksums, blobs, strict=True):
             if blob is None and (location, checksum) not in misses:
                 misses[location, checksum] = self._pool.submit(self._page_in, location, checksum)
         wait(misses.values())
-        return [blob if blob is not None else self._on_device(
-                    location, misses[location, checksum].result())
-                for location, checksum, blob in zip(locations, checksums, blobs, strict=True)]
+        out = [blob if blob is not None else self._on_device(
+                   location, misses[location, checksum].result(), sources)
+               for location, checksum, blob in zip(locations, checksums, blobs, strict=True)]
+        self._keep_until_copied(sources)
+        return out
 
     def load(self, name: str, expected_checksum: str | None = None) -> KVBlob:
         """This model's blob ``name``, through the tiers (see ``get``)."""

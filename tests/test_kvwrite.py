@@ -14,6 +14,7 @@ from transformers import LlamaConfig
 from vllm import _custom_ops as ops
 
 from inferscale import kvwrite
+from inferscale.kvchain import ChainWriter
 from inferscale.kvwrite import LAYOUTS, FusedCpuWriter
 from inferscale.rope import ChunkedRope
 
@@ -175,7 +176,8 @@ def _connector(isa="amx"):
 
     connector = InferScaleConnector.__new__(InferScaleConnector)
     connector._kv_shape, connector._block_size, connector._dtype = (2, 2, 64), 32, BF16
-    connector._rope, connector._staging, connector._writer = _rope(2, 2, 64, 1.0), None, _UNDECIDED
+    connector._rope, connector._writer = _rope(2, 2, 64, 1.0), _UNDECIDED
+    connector._chain = ChainWriter(connector._rope)
     layers = [(i, SimpleNamespace(isa=isa, impl=_CpuImpl(),
                                   kv_cache=torch.zeros(4, 2, 32, 128, dtype=BF16)))
               for i in range(2)]
