@@ -73,10 +73,6 @@ class _FusedWriter:
         return (isinstance(cache, torch.Tensor) and cache.device.type == self.device_type
                 and cache.dim() == 4 and cache.dtype == torch.bfloat16)
 
-    def _readable(self, piece: torch.Tensor) -> bool:
-        """Whether the kernel may read ``piece`` where it lies."""
-        return piece.device.type == self.device_type
-
     def _takes(self, layers: Sequence[tuple[int, Any]], num_layers: int) -> bool:
         """Whether this writer can take these attention layers (index, layer): every layer
         present, each cache one it may write, unquantised, and its table bf16 on their device."""
@@ -108,7 +104,7 @@ class _FusedWriter:
                 raise ValueError("fused KV write: a piece's K and V are laid out differently")
             for part in (k, v):
                 if (part.shape[0], *part.shape[2:]) != (layers, heads, dim) or (
-                        part.dtype != torch.bfloat16 or not self._readable(part)
+                        part.dtype != torch.bfloat16 or part.device.type != self.device_type
                         or part.stride()[1:] != (heads * dim, dim, 1)):
                     raise ValueError("fused KV write: a piece is not bf16 rows of the layout")
         if positions.numel() != tokens or slots.numel() != tokens:
@@ -193,9 +189,7 @@ def _pow2(n: int) -> int:
 class FusedTritonWriter(_FusedWriter):
     """The Triton kernel, for vLLM's CUDA attention layout: per layer ``[blocks, heads,
     block_size, 2 * head_dim]`` (any strides but the last), K then V in the last dimension.
-    One launch for every layer; the host-built tables go over in one non-blocking copy. Pieces
-    may lie on the device or in pinned host memory (read in place, without a copy to the
-    device first).
+    One launch for every layer; the host-built tables go over in one non-blocking copy.
     ``round_once``: round each rotated element once (vLLM's CPU rotary kernel) instead of after
     every bf16 op (torch's ops). ``device_type`` "cpu" runs it under Triton's interpreter
     (``TRITON_INTERPRET=1``, tests)."""
@@ -209,12 +203,6 @@ class FusedTritonWriter(_FusedWriter):
 
     def _is_cache(self, cache: Any) -> bool:
         return super()._is_cache(cache) and cache.stride(-1) == 1
-
-    def _readable(self, piece: torch.Tensor) -> bool:
-        """On the device, or in pinned host memory, which a CUDA kernel reads in place over
-        the bus (unified addressing)."""
-        return super()._readable(piece) or (
-            self.device_type == "cuda" and piece.device.type == "cpu" and piece.is_pinned())
 
     @classmethod
     def for_layers(cls, layers: Sequence[tuple[int, Any]], num_layers: int,

@@ -191,23 +191,3 @@ def test_the_triton_writer_on_cuda_writes_the_chains_bits(partial):
         ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(theirs))
         assert all(torch.equal(a, b) for a, b in zip(caches, theirs, strict=True))
 
-
-@needs_cuda
-def test_the_triton_writer_reads_pinned_host_pieces_in_place():
-    """Pieces in pinned host memory are read over the bus, with the bits device pieces give;
-    pageable host pieces are refused before anything is written."""
-    from inferscale.kvwrite import FusedTritonWriter
-
-    rope = _rope(device=CUDA)
-    writer = FusedTritonWriter(rope.cos_sin, rope.rotary_dim)
-    gen = torch.Generator().manual_seed(6)
-    pieces, positions, slots, scales, caches = _case(gen, 2, 2, 32, [9, 14], [1, 0], 3, 16, CUDA)
-    writer.write(pieces, positions, slots, scales, caches)
-    pinned = [(k.cpu().pin_memory(), v.cpu().pin_memory()) for k, v in pieces]
-    direct = [torch.zeros_like(cache) for cache in caches]
-    writer.write(pinned, positions, slots, scales, direct)
-    assert all(torch.equal(a, b) for a, b in zip(caches, direct, strict=True))
-    refused = [torch.zeros_like(cache) for cache in caches]
-    with pytest.raises(ValueError, match="piece"):
-        writer.write([(k.cpu(), v.cpu()) for k, v in pieces], positions, slots, scales, refused)
-    assert not any(cache.any() for cache in refused)

@@ -7,9 +7,7 @@ keys rotated and scaled, into per-layer paged caches in the layout of vLLM's att
 (``kvchain.ChainWriter`` with ``ChunkedRope``; ``flash_update`` stands in for vLLM's
 ``reshape_and_cache_flash``) and, on CUDA, by the fused Triton writer (``kvwrite.py``). Blob
 values are random, in the shapes of a model's K/V (default: Llama-3.1-8B's). Every tier and
-writer must leave the same bits in the cache as the chain from the first tier. The fused
-writer also reads pinned host-tier blobs in place (``host_direct_fused``: no copy to the device
-first).
+writer must leave the same bits in the cache as the chain from the first tier.
 
 The baseline is the forward of a randomly initialised model of the same shapes
 (transformers): the prefill of memory + question (text prefill) and the question's forward over
@@ -88,8 +86,6 @@ def _stores(durable: LocalDir, device: torch.device) -> dict[str, KVStore]:
                   "host_pageable": KVStore(durable, FINGERPRINT, big, device=device,
                                            pinned=False)}
     stores["disk"] = KVStore(durable, FINGERPRINT, host_bytes=0, device=device)
-    if device.type == "cuda":  # pinned host blobs left on the host, for the fused writer
-        stores["host_direct"] = KVStore(durable, FINGERPRINT, host_bytes=big, pinned=True)
     return stores
 
 
@@ -106,7 +102,7 @@ def _writers(stores: dict[str, KVStore], rope: ChunkedRope, caches: list[torch.T
     def chained(pieces, positions, slots, scales):
         return chain.write(pieces, positions, slots, scales, flash_update(caches))
 
-    out = [(tier, store, chained) for tier, store in stores.items() if tier != "host_direct"]
+    out = [(tier, store, chained) for tier, store in stores.items()]
     fused = None
     if caches[0].device.type == "cuda" and kvwrite.triton_available():
         def probe_chain(pieces, positions, slots, scales, probe_caches):
@@ -123,7 +119,6 @@ def _writers(stores: dict[str, KVStore], rope: ChunkedRope, caches: list[torch.T
             return {}
 
         out += [(f"{tier}_fused", stores[tier], fused_write) for tier in ("device", "host")]
-        out.append(("host_direct_fused", stores["host_direct"], fused_write))
     return out, fused.name if fused else None
 
 
@@ -254,9 +249,8 @@ def run(config: LlamaConfig, out_dir: Path | None, ks: tuple[int, ...] = (20, 50
 
 
 def _print(report: dict) -> None:
-    tiers = [tier for tier in ("device", "device_fused", "host", "host_fused",
-                               "host_direct_fused", "host_pageable", "disk")
-             if tier in report["rows"][0]]
+    tiers = [tier for tier in ("device", "device_fused", "host", "host_fused", "host_pageable",
+                               "disk") if tier in report["rows"][0]]
     table = []
     for row in report["rows"]:
         line = [row["k"], row["injected_tokens"]]
