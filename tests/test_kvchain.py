@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcases import kv_case
 from transformers import LlamaConfig
 
 from inferscale.bench.inject import flash_update
@@ -56,18 +57,9 @@ def test_staging_follows_the_pieces_dtype():
 
 
 def _case(gen, layers, heads, dim, lengths, skips, start, block_size, device="cpu"):
-    pieces = []
-    for length, skip in zip(lengths, skips, strict=True):
-        k, v = torch.randn(2, layers, length + skip, heads, dim, generator=gen).to(BF16)
-        pieces.append((k[:, skip:].to(device), v[:, skip:].to(device)))
-    tokens = sum(lengths)
-    positions = torch.arange(start, start + tokens)
-    blocks = (start + tokens) // block_size + 2
-    order = torch.randperm(blocks, generator=gen)
-    slots = order[positions // block_size] * block_size + positions % block_size
-    scales = (torch.rand(layers, tokens, generator=gen) + 0.5).to(BF16)
-    caches = [torch.zeros(blocks, heads, block_size, 2 * dim, dtype=BF16, device=device)
-              for _ in range(layers)]
+    pieces, positions, slots, scales, shape = kv_case(gen, layers, heads, dim, block_size,
+                                                      lengths, skips, start, True, device)
+    caches = [torch.zeros(shape, dtype=BF16, device=device) for _ in range(layers)]
     return pieces, positions, slots, scales, caches
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcases import kv_case
 from transformers import LlamaConfig
 from vllm import _custom_ops as ops
 
@@ -59,20 +60,6 @@ def _chain(pieces, positions, slots, scales, caches, rope, isa):
         _CpuImpl().do_kv_cache_update(SimpleNamespace(isa=isa), k[layer], v[layer], cache, slots)
 
 
-def _case(gen, layers, heads, dim, block_size, lengths, skips, start, scaled):
-    pieces = []
-    for length, skip in zip(lengths, skips, strict=True):
-        k, v = torch.randn(2, layers, length + skip, heads, dim, generator=gen).to(BF16)
-        pieces.append((k[:, skip:], v[:, skip:]))
-    tokens = sum(lengths)
-    positions = torch.arange(start, start + tokens)
-    blocks = (start + tokens) // block_size + 2
-    order = torch.randperm(blocks, generator=gen)
-    slots = order[positions // block_size] * block_size + positions % block_size
-    scales = (torch.rand(layers, tokens, generator=gen) + 0.5).to(BF16) if scaled else None
-    return pieces, positions, slots, scales, (blocks, heads, block_size, 2 * dim)
-
-
 @needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(isa=st.sampled_from(sorted(LAYOUTS)), heads=st.integers(1, 3),
@@ -85,7 +72,7 @@ def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_s
     gen = torch.Generator().manual_seed(seed)
     layers = 3
     skips = torch.randint(0, 4, (len(lengths),), generator=gen).tolist()
-    pieces, positions, slots, scales, shape = _case(gen, layers, heads, dim, block_size,
+    pieces, positions, slots, scales, shape = kv_case(gen, layers, heads, dim, block_size,
                                                     lengths, skips, start, scaled)
     rope = _rope(layers, heads, dim, partial)
     ours = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
@@ -101,7 +88,7 @@ def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_s
 def _writer_and_case(**overrides):
     gen = torch.Generator().manual_seed(0)
     rope = _rope(2, 2, 64, 1.0)
-    pieces, positions, slots, scales, shape = _case(gen, 2, 2, 64, 32, [5, 9], [0, 1], 3, True)
+    pieces, positions, slots, scales, shape = kv_case(gen, 2, 2, 64, 32, [5, 9], [0, 1], 3, True)
     case = {"pieces": pieces, "positions": positions, "slots": slots, "scales": scales,
             "caches": [torch.zeros(shape, dtype=BF16) for _ in range(2)]}
     case.update(overrides)
@@ -159,7 +146,7 @@ def test_caches_not_aligned_to_lines_are_written_alike():
     boundary takes plain stores, with the same bits."""
     gen = torch.Generator().manual_seed(1)
     rope = _rope(2, 2, 64, 1.0)
-    pieces, positions, slots, scales, shape = _case(gen, 2, 2, 64, 32, [40, 30], [0, 2], 0,
+    pieces, positions, slots, scales, shape = kv_case(gen, 2, 2, 64, 32, [40, 30], [0, 2], 0,
                                                     True)
     size = torch.Size(shape).numel()
     ours = [torch.zeros(size + 1, dtype=BF16)[1:].view(shape) for _ in range(2)]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcases import kv_case
 from transformers import LlamaConfig
 
 from inferscale import kvwrite
@@ -43,17 +44,7 @@ def _rope(heads: int, dim: int, partial: float, vllm_kernel: bool) -> ChunkedRop
 
 
 def _case(gen, heads, dim, lengths, skips, start, block_size, scaled):
-    pieces = []
-    for length, skip in zip(lengths, skips, strict=True):
-        k, v = torch.randn(2, 2, length + skip, heads, dim, generator=gen).to(BF16)
-        pieces.append((k[:, skip:], v[:, skip:]))
-    tokens = sum(lengths)
-    positions = torch.arange(start, start + tokens)
-    blocks = (start + tokens) // block_size + 2
-    order = torch.randperm(blocks, generator=gen)
-    slots = order[positions // block_size] * block_size + positions % block_size
-    scales = (torch.rand(2, tokens, generator=gen) + 0.5).to(BF16) if scaled else None
-    return pieces, positions, slots, scales, (blocks, heads, block_size, 2 * dim)
+    return kv_case(gen, 2, heads, dim, block_size, lengths, skips, start, scaled)
 
 
 def _zeros(shape):
