@@ -116,7 +116,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._claimed: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
         self._layers: list[tuple[int, Any]] | None = None
-        self._writer: Any = _UNDECIDED  # FusedCpuWriter or None, once the layers are known
+        self._writer: Any = _UNDECIDED  # a fused writer or None, once the layers are known
         if role == KVConnectorRole.WORKER:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self._store = KVStore.from_settings(settings, self._fingerprint,

@@ -14,10 +14,9 @@ that expects that copy's checksum (or none), others page the new blob in.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
@@ -147,11 +146,13 @@ class KVStore:
         if arena_bytes is None:
             arena_bytes = max(host_bytes * 5 // 4, PAGE_IN_ARENA_MIN)
         self.arena = HostArena(arena_bytes) if arena_bytes and not self.pinned else None
+        # what page-ins are read into: pinned memory, the arena's blocks or fresh memory
+        self._page_in_buffer = (pinned_buffer if self.pinned
+                                else self.arena.take if self.arena else None)
         self.hot = ByteLRU(device_bytes, "device") if self.device.type != "cpu" else None
         # host blobs whose non-blocking copies to the device may still be reading them, with
         # the event that marks their end: kept alive until then, so their memory is not reused
-        self._copying: collections.deque[tuple[torch.cuda.Event, list[KVBlob]]] = (
-            collections.deque())
+        self._copying: deque[tuple[torch.cuda.Event, list[KVBlob]]] = deque()
         # page-ins run on every CPU of the process, also where the thread starting them is
         # pinned to one (vLLM's CPU worker)
         self._pool = ThreadPoolExecutor(durable.read_threads, thread_name_prefix="kv-page-in",
@@ -215,11 +216,6 @@ class KVStore:
             raise ChecksumMismatch(location, "content does not match its checksum")
         KV_METRICS.page_in_bytes.inc(len(raw))
         return blob
-
-    @property
-    def _page_in_buffer(self):
-        """What page-ins are read into: pinned memory, the arena's blocks or fresh memory."""
-        return pinned_buffer if self.pinned else self.arena.take if self.arena else None
 
     def sweep_temp(self) -> int:
         """Remove what writers that died mid-write left in the durable tier."""

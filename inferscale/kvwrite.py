@@ -205,15 +205,19 @@ class FusedTritonWriter(_FusedWriter):
         return super()._is_cache(cache) and cache.stride(-1) == 1
 
     @classmethod
+    def roundings(cls, cos_sin: torch.Tensor, rotary_dim: int) -> list[FusedTritonWriter]:
+        """One writer per rounding, in the order they are probed."""
+        return [cls(cos_sin.contiguous(), rotary_dim, round_once) for round_once in (False, True)]
+
+    @classmethod
     def for_layers(cls, layers: Sequence[tuple[int, Any]], num_layers: int,
                    cos_sin: torch.Tensor, rotary_dim: int) -> list[FusedTritonWriter]:
         """Writers for these CUDA attention layers, one per rounding (none where the kernel
         does not apply: no Triton, not bf16, a quantised cache, a layer missing)."""
         if _kvwrite_triton is None:
             return []
-        writers = [cls(cos_sin.contiguous(), rotary_dim, round_once)
-                   for round_once in (False, True)]
-        return [writer for writer in writers if writer._takes(layers, num_layers)]
+        return [writer for writer in cls.roundings(cos_sin, rotary_dim)
+                if writer._takes(layers, num_layers)]
 
     def write(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
               positions: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None,
@@ -238,7 +242,7 @@ class FusedTritonWriter(_FusedWriter):
             on_device[5 * tokens:], tokens, t["block_size"], stride_block, stride_head,
             stride_slot, HEADS=heads, DIM=dim, ROT=rotary, HEADS_P2=_pow2(heads),
             HALF_P2=_pow2(rotary // 2), REST_P2=_pow2(max(dim - rotary, 1)), DIM_P2=_pow2(dim),
-            SCALED=scaled,             ROUND_ONCE=self.round_once)
+            SCALED=scaled, ROUND_ONCE=self.round_once)
 
 
 def fused_writers(layers: Sequence[tuple[int, Any]], num_layers: int, cos_sin: torch.Tensor,

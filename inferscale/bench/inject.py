@@ -109,10 +109,8 @@ def _writers(stores: dict[str, KVStore], rope: ChunkedRope, caches: list[torch.T
             ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(probe_caches))
 
         _, heads, block_size, width = caches[0].shape
-        candidates = [FusedTritonWriter(rope.cos_sin.contiguous(), rope.rotary_dim, round_once)
-                      for round_once in (False, True)]
-        fused = kvwrite.first_exact(candidates, probe_chain, (len(caches), heads, width // 2),
-                                    block_size)
+        fused = kvwrite.first_exact(FusedTritonWriter.roundings(rope.cos_sin, rope.rotary_dim),
+                                    probe_chain, (len(caches), heads, width // 2), block_size)
     if fused is not None:
         def fused_write(pieces, positions, slots, scales):
             fused.write(pieces, positions, slots, scales, caches)
