@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from inferscale import infra, migrate
-from inferscale.settings import Settings
+from inferscale.db import migrate
+from inferscale.devstack import infra
+from inferscale.platform.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "inferscale" / "data" / "sample_conversation.json"
@@ -118,7 +119,7 @@ async def engine(base_settings: Settings):
 
 @pytest.fixture(scope="session")
 def embedder(base_settings: Settings):
-    from inferscale.embedder import load_embedder
+    from inferscale.pipeline.embedder import load_embedder
 
     return load_embedder(base_settings)
 
@@ -126,7 +127,7 @@ def embedder(base_settings: Settings):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, prepared from the PyPI wheel (cached across runs)."""
-    from inferscale.model_prep import PREPARED_NAME, prepare_model
+    from inferscale.platform.model_prep import PREPARED_NAME, prepare_model
 
     return prepare_model(Path.home() / ".cache" / "inferscale-test" / PREPARED_NAME)
 
@@ -153,8 +154,8 @@ class Server:
 
     def start(self) -> None:
         """Start `inferscale serve` as a user would, and wait until the server is healthy."""
-        from inferscale.serve import wait_ready
-        from inferscale.settings import settings_env
+        from inferscale.platform.settings import settings_env
+        from inferscale.serving.serve import wait_ready
 
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
@@ -272,9 +273,9 @@ def served(base_settings, smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smol(served, smollm2_dir):
     """SmolLM2's encoder and the server's KV store."""
-    from inferscale.encoder import FactEncoder
-    from inferscale.fingerprint import model_fingerprint
-    from inferscale.kvstore import KVStore
+    from inferscale.contracts.fingerprint import model_fingerprint
+    from inferscale.kv.encoder import FactEncoder
+    from inferscale.kv.store import KVStore
 
     encoder = FactEncoder(smollm2_dir, device="cpu")
     store = KVStore.from_settings(served.settings, model_fingerprint(smollm2_dir),

@@ -8,8 +8,8 @@ import uuid
 from aiokafka import AIOKafkaConsumer, ConsumerRecord
 
 from conftest import SAMPLE
-from inferscale.events import TurnEvent
-from inferscale.sources import read_turns
+from inferscale.contracts.events import TurnEvent
+from inferscale.pipeline.sources import read_turns
 
 
 def sample_turns(user_id: str | None = None) -> list[TurnEvent]:
@@ -40,7 +40,7 @@ async def read_topic(bootstrap: str, topic: str, expected: int,
 
 async def extract_all(settings, engine, embedder, extractor=None, decide=None, **kwargs):
     """Drain the extract stage (``turn`` extractor unless given) over every stored turn."""
-    from inferscale.extract import TurnExtractor
+    from inferscale.pipeline.extraction import TurnExtractor
     from workers.extract import ExtractWorker
 
     return await ExtractWorker(settings, engine, embedder, extractor or TurnExtractor(), decide,
@@ -50,7 +50,7 @@ async def extract_all(settings, engine, embedder, extractor=None, decide=None, *
 async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, store=None) -> None:
     """Publish turns, drain the ingest and extract stages, then (optionally) encode every
     pending fact."""
-    from inferscale.kafka import ensure_topics, publish_turns
+    from inferscale.pipeline.kafka import ensure_topics, publish_turns
     from workers.encode import EncodeWorker
     from workers.ingest import IngestWorker
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale import failpoints
+from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.contracts.plan import lead_name
 from inferscale.db.queries import (
     STORAGE_FAILURE,
     PendingFact,
@@ -34,14 +35,13 @@ from inferscale.db.queries import (
     record_encode_failure,
     record_encoded,
 )
-from inferscale.encoder import FactEncoder, ensure_preamble, load_encoder
-from inferscale.fingerprint import model_fingerprint
-from inferscale.forget import sweep_orphan_blobs
-from inferscale.kvstore import KVStore
-from inferscale.model_prep import resolve_model_path
-from inferscale.plan import lead_name
-from inferscale.retry import retry_transient
-from inferscale.settings import Settings
+from inferscale.kv.encoder import FactEncoder, ensure_preamble, load_encoder
+from inferscale.kv.store import KVStore
+from inferscale.pipeline.forget import sweep_orphan_blobs
+from inferscale.platform import failpoints
+from inferscale.platform.model_prep import resolve_model_path
+from inferscale.platform.retry import retry_transient
+from inferscale.platform.settings import Settings
 from workers import observe
 from workers.stage import BatchStage
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale import failpoints
 from inferscale.db.queries import (
     ClaimedTurn,
     NewFact,
@@ -26,16 +25,17 @@ from inferscale.db.queries import (
     nearest_live_facts,
     record_extraction,
 )
-from inferscale.embedder import Embedder
-from inferscale.extract import Draft, Extractor, TurnExtractor, TurnInContext
-from inferscale.kvstore import KVStore
-from inferscale.memory_update import Decide, NewDraft, UpdatePlan, plan_updates
-from inferscale.retry import retry_transient
-from inferscale.settings import Settings
+from inferscale.kv.store import KVStore
+from inferscale.pipeline.embedder import Embedder
+from inferscale.pipeline.extraction import Draft, Extractor, TurnExtractor, TurnInContext
+from inferscale.pipeline.updates import Decide, NewDraft, UpdatePlan, plan_updates
+from inferscale.platform import failpoints
+from inferscale.platform.retry import retry_transient
+from inferscale.platform.settings import Settings
 from workers import observe
 from workers.stage import BatchStage
 
-log = logging.getLogger("inferscale.extract")
+log = logging.getLogger("inferscale.pipeline.extraction")
 
 Invalidate = Callable[[str, list[str]], Awaitable[None]]  # (user, blob locations)
 

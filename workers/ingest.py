@@ -22,12 +22,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale import failpoints
+from inferscale.contracts.events import InvalidEvent, TurnEvent, parse_record
 from inferscale.db.queries import StoredTurn, lock_users, tombstones, upsert_turns
-from inferscale.events import InvalidEvent, TurnEvent, parse_record
-from inferscale.kafka import ensure_topics, make_producer
-from inferscale.retry import is_transient_db_error, retry_transient
-from inferscale.settings import Settings
+from inferscale.pipeline.kafka import ensure_topics, make_producer
+from inferscale.platform import failpoints
+from inferscale.platform.retry import is_transient_db_error, retry_transient
+from inferscale.platform.settings import Settings
 from workers import observe
 
 log = logging.getLogger("inferscale.ingest")

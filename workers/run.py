@@ -10,14 +10,14 @@ import signal
 
 from inferscale.db.engine import create_engine
 from inferscale.db.queries import count_pending_facts, count_unextracted_turns
-from inferscale.embedder import load_embedder
-from inferscale.encoder import FactEncoder
-from inferscale.extract import Extractor, get_extractor
-from inferscale.infra import resolve_kafka_bootstrap
-from inferscale.invalidation import publish_invalidation
-from inferscale.llm import LocalJsonGenerator, OpenAIJsonGenerator
-from inferscale.memory_update import Decide, LLMDecider
-from inferscale.settings import Settings
+from inferscale.devstack.infra import resolve_kafka_bootstrap
+from inferscale.kv.encoder import FactEncoder
+from inferscale.pipeline.embedder import load_embedder
+from inferscale.pipeline.extraction import Extractor, get_extractor
+from inferscale.pipeline.generators import LocalJsonGenerator, OpenAIJsonGenerator
+from inferscale.pipeline.invalidation import publish_invalidation
+from inferscale.pipeline.updates import Decide, LLMDecider
+from inferscale.platform.settings import Settings
 from workers.encode import EncodeWorker, open_encoder_and_store
 from workers.extract import ExtractWorker
 from workers.ingest import IngestWorker

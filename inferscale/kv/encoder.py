@@ -1,0 +1,197 @@
+"""Context-Window Encoding: per-fact K (before RoPE) and V from one batched forward pass.
+
+Each sequence is ``[preamble][context segments][fact segment]``; only the fact segment's K/V is
+kept. Keys are captured at the input of the rotary embedding: after ``k_proj`` (with its bias)
+and after the per-head key norm where the model has one (Qwen3).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inferscale.contracts.layout import MemoryLayout
+from inferscale.contracts.plan import PREAMBLE
+from inferscale.kv.store import KVStore
+from inferscale.platform.settings import Settings
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot be served with pre-RoPE KV reuse."""
+
+
+@dataclass(frozen=True)
+class EncodeItem:
+    """One span to encode: ``prefix_ids`` give context, only ``span_ids`` KV is kept."""
+
+    prefix_ids: list[int]
+    span_ids: list[int]
+
+
+@dataclass(frozen=True)
+class EncodedSpan:
+    """Pre-RoPE keys and values of one span, ``[layers, tokens, kv_heads, head_dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    token_ids: list[int]
+
+
+def check_supported(config) -> None:
+    """Refuse models whose attention is not plain full attention with RoPE."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(f"model type {model_type!r} is not supported "
+                               f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})")
+    if not getattr(config, "rope_parameters", None):
+        raise UnsupportedModel("the model has no rotary position embedding")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    uses_window = getattr(config, "use_sliding_window", model_type == "mistral")
+    if layer_types != {"full_attention"} or (getattr(config, "sliding_window", None)
+                                             and uses_window):
+        raise UnsupportedModel("sliding-window or hybrid attention is not supported")
+
+
+def default_device() -> torch.device:
+    """GPU when present, CPU otherwise."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def compute_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of an ``encode_dtype`` setting (None for "auto")."""
+    return None if name == "auto" else getattr(torch, name)
+
+
+class FactEncoder:
+    """Loads a HF causal LM once and encodes batches of spans with hooks on K/V projections."""
+
+    def __init__(self, model_path: Path, device: str | None = None,
+                 dtype: torch.dtype | None = None, max_tokens: int = 4096):
+        """``dtype`` is the compute dtype (default: float32 on CPU, where it is the fastest, else
+        the model's); K/V are always returned in the model's own dtype, as vLLM serves it."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(model_path)
+        check_supported(config)
+        self.config = config
+        self.device = torch.device(device) if device else default_device()
+        kv_dtype = getattr(config, "dtype", None) or torch.float32
+        self.kv_dtype = getattr(torch, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+        self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else self.kv_dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.layout = MemoryLayout(self.tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
+                                                     attn_implementation="sdpa")
+        self.model = model.to(self.device).eval()
+        self.max_tokens = max_tokens
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self._captured: list[list[torch.Tensor]] = []
+        self._index: torch.Tensor | None = None
+        self.lock = threading.Lock()  # one forward pass at a time (the model is shared)
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        layers = self.model.model.layers
+        self._captured = [[None, None] for _ in layers]  # type: ignore[list-item]
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            key_source = attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj
+            key_source.register_forward_hook(self._hook(i, 0))
+            attn.v_proj.register_forward_hook(self._hook(i, 1))
+
+    def _hook(self, layer: int, slot: int):
+        def capture(_module, _inputs, output: torch.Tensor) -> None:
+            if self._index is None:
+                return
+            flat = output.reshape(output.shape[0], output.shape[1], -1)
+            rows = torch.arange(flat.shape[0], device=flat.device).unsqueeze(1)
+            self._captured[layer][slot] = flat[rows, self._index]
+
+        return capture
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        from inferscale.kv.rope import model_head_dim
+
+        return model_head_dim(self.config)
+
+    def _fit(self, item: EncodeItem) -> list[int]:
+        """Drop the oldest context tokens (after the preamble) beyond ``max_tokens``."""
+        keep = self.max_tokens - len(item.span_ids)
+        prefix = item.prefix_ids
+        if len(prefix) > keep:
+            head = len(self.layout.preamble_ids)
+            prefix = prefix[:head] + prefix[len(prefix) - (keep - head):]
+        return prefix
+
+    @torch.inference_mode()
+    def encode(self, items: Sequence[EncodeItem]) -> list[EncodedSpan]:
+        """One padded forward pass over the batch; returns each span's K/V on the CPU."""
+        if not items:
+            return []
+        prefixes = [self._fit(item) for item in items]
+        seqs = [p + item.span_ids for p, item in zip(prefixes, items, strict=True)]
+        width = max(map(len, seqs))
+        span_max = max(len(item.span_ids) for item in items)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        index = torch.zeros((len(seqs), span_max), dtype=torch.long)
+        for b, (prefix, seq) in enumerate(zip(prefixes, seqs, strict=True)):
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+            index[b] = torch.clamp(torch.arange(span_max) + len(prefix), max=len(seq) - 1)
+        with self.lock:
+            self._index = index.to(self.device)
+            try:
+                self.model.model(input_ids=ids.to(self.device),
+                                 attention_mask=mask.to(self.device), use_cache=False)
+                shape = (len(items), span_max, self.kv_heads, self.head_dim)
+                k = torch.stack([layer[0].view(shape) for layer in self._captured], dim=1)
+                v = torch.stack([layer[1].view(shape) for layer in self._captured], dim=1)
+            finally:
+                self._index = None
+                for layer in self._captured:
+                    layer[0] = layer[1] = None
+        k = k.to(device="cpu", dtype=self.kv_dtype)  # [batch, layers, span, heads, dim]
+        v = v.to(device="cpu", dtype=self.kv_dtype)
+        return [
+            EncodedSpan(k=k[b, :, : len(item.span_ids)].contiguous(),
+                        v=v[b, :, : len(item.span_ids)].contiguous(), token_ids=item.span_ids)
+            for b, item in enumerate(items)
+        ]
+
+    def encode_preamble(self) -> EncodedSpan:
+        """K/V of the preamble itself (BOS + system header + memory intro), at positions 0.."""
+        return self.encode([EncodeItem(prefix_ids=[], span_ids=self.layout.preamble_ids)])[0]
+
+    def fact_item(self, fact_text: str, context_texts: Sequence[str]) -> EncodeItem:
+        """[preamble][context fact segments][fact segment] as the layout renders them."""
+        prefix = list(self.layout.preamble_ids)
+        for text in context_texts:
+            prefix += self.layout.fact_segment(text)
+        return EncodeItem(prefix_ids=prefix, span_ids=self.layout.fact_segment(fact_text))
+
+
+def load_encoder(settings: Settings) -> FactEncoder:
+    """The encoder of the model, device and compute dtype the settings name."""
+    from inferscale.platform.model_prep import resolve_model_path
+
+    return FactEncoder(resolve_model_path(settings), device=settings.device,
+                       dtype=compute_dtype(settings.encode_dtype))
+
+
+def ensure_preamble(encoder: FactEncoder, store: KVStore) -> None:
+    """Encode and store the preamble KV once per model."""
+    if not store.exists(PREAMBLE):
+        span = encoder.encode_preamble()
+        store.put(PREAMBLE, span.k, span.v, span.token_ids, window=0)

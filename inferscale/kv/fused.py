@@ -1,0 +1,295 @@
+"""Fused injection into vLLM's paged cache: one pass instead of three.
+
+The portable chain (``kvchain.py``) copies the facts' K/V into a staging buffer, rotates the
+keys in place with vLLM's rotary kernel and writes each layer with the attention backend's cache
+update: three passes over the K/V (~52 MB at k = 50 on SmolLM2-135M, ~290 MB on an 8B model) and,
+on a GPU, a kernel launch per layer. A fused writer reads each stored row once, rotates and
+scales it as that chain does and stores it straight into the backend's block layout, for all
+layers at once:
+
+- ``FusedCpuWriter``: ``_fused_cpu.c``, in OpenMP threads over layers (the same libgomp team as
+  torch's), for the layouts of vLLM's CPU attention ("amx" or "vec");
+- ``FusedTritonWriter``: ``_fused_triton.py``, one launch for vLLM's CUDA attention layout
+  ``[blocks, heads, block_size, 2 * head_dim]``.
+
+The connector uses a writer only after it wrote the same bits as the portable path on a probe
+(``InferScaleConnector._fused_writer``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from inferscale.kv.chain import to_device
+
+try:
+    from inferscale.kv import _fused_cpu
+except ImportError:  # built without a C compiler: the portable path only
+    _fused_cpu = None
+try:
+    from inferscale.kv import _fused_triton
+except ImportError:  # no Triton: the portable path only
+    _fused_triton = None
+
+log = logging.getLogger("inferscale.kv.fused")
+# (pieces, positions, slots, scales, caches): the portable chain into ``caches`` (one per layer)
+ChainWrite = Callable[[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor,
+                       torch.Tensor, list[torch.Tensor]], object]
+# vLLM CPU attention's ISA -> the cache layout the kernel writes (its LAYOUT_* constants)
+LAYOUTS = {"amx": 0, "vec": 1}
+
+
+def available() -> bool:
+    """Whether the C kernel was built with this install."""
+    return _fused_cpu is not None
+
+
+def triton_available() -> bool:
+    """Whether Triton (the CUDA writer's kernel) imports here."""
+    return _fused_triton is not None
+
+
+def _pointers(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+class _FusedWriter:
+    """Writes ``[layers, tokens, heads, head_dim]`` K/V pieces into the caches of ``layers``
+    attention layers (cache ``[blocks, heads, block_size, 2 * head_dim]`` each), rotating the
+    keys to their positions with ``cos_sin [positions, rotary_dim]`` and scaling them."""
+
+    device_type = "cpu"
+
+    def __init__(self, cos_sin: torch.Tensor, rotary_dim: int):
+        self._cos_sin = cos_sin
+        self._rotary_dim = rotary_dim
+
+    def _is_cache(self, cache: Any) -> bool:
+        """Whether ``cache`` is memory the kernel may write: a 4-d bf16 tensor on the device."""
+        return (isinstance(cache, torch.Tensor) and cache.device.type == self.device_type
+                and cache.dim() == 4 and cache.dtype == torch.bfloat16)
+
+    def _takes(self, layers: Sequence[tuple[int, Any]], num_layers: int) -> bool:
+        """Whether this writer can take these attention layers (index, layer): every layer
+        present, each cache one it may write, unquantised, and its table bf16 on their device."""
+        cos_sin = self._cos_sin
+        return (sorted(index for index, _ in layers) == list(range(num_layers))
+                and all(self._is_cache(layer.kv_cache) for _, layer in layers)
+                and all(getattr(layer.impl, "kv_cache_dtype", "auto") == "auto"
+                        for _, layer in layers)
+                and cos_sin.dtype == torch.bfloat16 and cos_sin.device.type == self.device_type
+                and cos_sin.dim() == 2 and cos_sin.shape[1] == self._rotary_dim)
+
+    def _tables(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                positions: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None,
+                caches: Sequence[torch.Tensor]) -> dict[str, Any] | None:
+        """Check the request against the caches and build, on the host, per token: the
+        addresses of its stored K and V rows of layer 0, its blob's layer stride (elements),
+        its position and slot; then the scales and the caches' addresses. None: no tokens.
+        Raises ValueError for anything the kernel cannot take as it is."""
+        layers, _, heads, dim = pieces[0][0].shape
+        if not all(self._is_cache(cache) for cache in caches):
+            raise ValueError(f"fused KV write: a cache is not bf16 on {self.device_type}")
+        blocks, cache_heads, block_size, width = caches[0].shape
+        tokens = sum(k.shape[1] for k, _ in pieces)
+        if len(caches) != layers or (cache_heads, width) != (heads, 2 * dim) or any(
+                c.shape != caches[0].shape or c.stride() != caches[0].stride() for c in caches):
+            raise ValueError("fused KV write: caches do not match the pieces")
+        for k, v in pieces:
+            if v.stride(0) != k.stride(0):
+                raise ValueError("fused KV write: a piece's K and V are laid out differently")
+            for part in (k, v):
+                if (part.shape[0], *part.shape[2:]) != (layers, heads, dim) or (
+                        part.dtype != torch.bfloat16 or part.device.type != self.device_type
+                        or part.stride()[1:] != (heads * dim, dim, 1)):
+                    raise ValueError("fused KV write: a piece is not bf16 rows of the layout")
+        if positions.numel() != tokens or slots.numel() != tokens:
+            raise ValueError("fused KV write: positions and slots must have one per token")
+        if positions.device.type != "cpu" or slots.device.type != "cpu":
+            raise ValueError("fused KV write: positions and slots are checked on the host")
+        if tokens == 0:
+            return None
+        if int(positions.min()) < 0 or int(positions.max()) >= self._cos_sin.shape[0]:
+            raise ValueError("fused KV write: a position lies outside the RoPE table")
+        if int(slots.min()) < 0 or int(slots.max()) >= blocks * block_size:
+            raise ValueError("fused KV write: a slot lies outside the cache")
+        if scales is not None and scales.shape != (layers, tokens):
+            raise ValueError("fused KV write: scales must be [layers, tokens]")
+        counts = torch.tensor([k.shape[1] for k, _ in pieces])
+        within = torch.arange(tokens) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        row_bytes = heads * dim * 2
+
+        def rows(which: int) -> torch.Tensor:
+            starts = _pointers([piece[which] for piece in pieces])
+            return torch.repeat_interleave(starts, counts) + within * row_bytes
+
+        return {
+            "layers": layers, "heads": heads, "dim": dim, "tokens": tokens,
+            "block_size": block_size, "keys": rows(0), "values": rows(1),
+            "strides": torch.repeat_interleave(torch.tensor([k.stride(0) for k, _ in pieces]),
+                                               counts),
+            "positions": positions.to(torch.int64).contiguous(),
+            "slots": slots.to(torch.int64).contiguous(),
+            "scales": None if scales is None else scales.to(torch.bfloat16).contiguous(),
+            "caches": _pointers(caches)}
+
+
+class FusedCpuWriter(_FusedWriter):
+    """The C kernel, for the layouts of vLLM's CPU attention (``layout``: ``LAYOUTS[isa]``);
+    caches contiguous in host memory."""
+
+    name = "fused CPU kernel"
+
+    def __init__(self, layout: int, cos_sin: torch.Tensor, rotary_dim: int):
+        super().__init__(cos_sin, rotary_dim)
+        self._layout = layout
+
+    def _is_cache(self, cache: Any) -> bool:
+        return super()._is_cache(cache) and cache.is_contiguous()
+
+    @classmethod
+    def for_layers(cls, layers: Sequence[tuple[int, Any]], num_layers: int,
+                   cos_sin: torch.Tensor, rotary_dim: int) -> FusedCpuWriter | None:
+        """A writer for these attention layers (index, layer), or None where the kernel does
+        not apply: not built, another ISA, not bf16, a quantised cache, a layer missing."""
+        if _fused_cpu is None:
+            return None
+        isas = {getattr(layer, "isa", None) for _, layer in layers}
+        if len(isas) != 1 or (isa := isas.pop()) not in LAYOUTS:
+            return None
+        writer = cls(LAYOUTS[isa], cos_sin.contiguous(), rotary_dim)
+        return writer if writer._takes(layers, num_layers) else None
+
+    def write(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              positions: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None,
+              caches: Sequence[torch.Tensor]) -> None:
+        """Write the pieces' tokens, in order, at ``slots`` with keys rotated to ``positions``
+        and multiplied by ``scales [layers, tokens]`` (None: unscaled); ``caches[i]`` is layer
+        i's. Raises ValueError for anything the kernel cannot take as it is."""
+        t = self._tables(pieces, positions, slots, scales, caches)
+        if t is None:
+            return
+        _fused_cpu.inject(self._layout, t["layers"], t["heads"], t["dim"], self._rotary_dim,
+                        t["block_size"], t["tokens"], t["keys"].data_ptr(),
+                        t["values"].data_ptr(), t["strides"].data_ptr(),
+                        t["slots"].data_ptr(), t["positions"].data_ptr(),
+                        self._cos_sin.data_ptr(),
+                        0 if t["scales"] is None else t["scales"].data_ptr(),
+                        t["caches"].data_ptr())
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class FusedTritonWriter(_FusedWriter):
+    """The Triton kernel, for vLLM's CUDA attention layout: per layer ``[blocks, heads,
+    block_size, 2 * head_dim]`` (any strides but the last), K then V in the last dimension.
+    One launch for every layer; the host-built tables go over in one non-blocking copy.
+    ``round_once``: round each rotated element once (vLLM's CPU rotary kernel) instead of after
+    every bf16 op (torch's ops). ``device_type`` "cpu" runs it under Triton's interpreter
+    (``TRITON_INTERPRET=1``, tests)."""
+
+    def __init__(self, cos_sin: torch.Tensor, rotary_dim: int, round_once: bool = False,
+                 device_type: str = "cuda"):
+        super().__init__(cos_sin, rotary_dim)
+        self.round_once = round_once
+        self.device_type = device_type
+        self.name = f"fused Triton kernel ({'one rounding' if round_once else 'bf16 ops'})"
+
+    def _is_cache(self, cache: Any) -> bool:
+        return super()._is_cache(cache) and cache.stride(-1) == 1
+
+    @classmethod
+    def roundings(cls, cos_sin: torch.Tensor, rotary_dim: int) -> list[FusedTritonWriter]:
+        """One writer per rounding, in the order they are probed."""
+        return [cls(cos_sin.contiguous(), rotary_dim, round_once) for round_once in (False, True)]
+
+    @classmethod
+    def for_layers(cls, layers: Sequence[tuple[int, Any]], num_layers: int,
+                   cos_sin: torch.Tensor, rotary_dim: int) -> list[FusedTritonWriter]:
+        """Writers for these CUDA attention layers, one per rounding (none where the kernel
+        does not apply: no Triton, not bf16, a quantised cache, a layer missing)."""
+        if _fused_triton is None:
+            return []
+        return [writer for writer in cls.roundings(cos_sin, rotary_dim)
+                if writer._takes(layers, num_layers)]
+
+    def write(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              positions: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None,
+              caches: Sequence[torch.Tensor]) -> None:
+        """As ``FusedCpuWriter.write``; positions, slots and scales on the host."""
+        t = self._tables(pieces, positions, slots, scales, caches)
+        if t is None:
+            return
+        tokens, layers = t["tokens"], t["layers"]
+        ints = torch.cat([t[name] for name in ("keys", "values", "strides", "positions", "slots",
+                                               "caches")])
+        scaled = t["scales"] is not None
+        packed = to_device(torch.cat([ints.view(torch.uint8)] + (
+            [t["scales"].flatten().view(torch.uint8)] if scaled else [])), caches[0].device)
+        on_device = packed[:ints.numel() * 8].view(torch.int64)  # one copy for every table
+        keys, values, strides, positions, slots = on_device[:5 * tokens].view(5, tokens)
+        scales = packed[ints.numel() * 8:].view(torch.bfloat16) if scaled else positions
+        heads, dim, rotary = t["heads"], t["dim"], self._rotary_dim
+        stride_block, stride_head, stride_slot = caches[0].stride()[:3]
+        _fused_triton.inject_kernel[(tokens, layers)](
+            keys, values, strides, positions, slots, self._cos_sin, scales,
+            on_device[5 * tokens:], tokens, t["block_size"], stride_block, stride_head,
+            stride_slot, HEADS=heads, DIM=dim, ROT=rotary, HEADS_P2=_pow2(heads),
+            HALF_P2=_pow2(rotary // 2), REST_P2=_pow2(max(dim - rotary, 1)), DIM_P2=_pow2(dim),
+            SCALED=scaled, ROUND_ONCE=self.round_once)
+
+
+def fused_writers(layers: Sequence[tuple[int, Any]], num_layers: int, cos_sin: torch.Tensor,
+                  rotary_dim: int) -> list[FusedCpuWriter | FusedTritonWriter]:
+    """The fused writers that apply to these attention layers (see ``for_layers``), to be
+    probed in order: the first that writes what the chain writes is used."""
+    cpu = FusedCpuWriter.for_layers(layers, num_layers, cos_sin, rotary_dim)
+    return [cpu] if cpu else [*FusedTritonWriter.for_layers(layers, num_layers, cos_sin,
+                                                            rotary_dim)]
+
+
+def writes_like(writer: FusedCpuWriter | FusedTritonWriter, chain: ChainWrite,
+                kv_shape: tuple[int, int, int], block_size: int) -> bool:
+    """Both write two random bf16 pieces (one not starting at its blob's first token), scaled,
+    at positions across a block boundary, into two small caches on the writer's device: same
+    bits? ``kv_shape``: (layers, KV heads, head_dim)."""
+    gen = torch.Generator().manual_seed(0)
+    num_layers, heads, dim = kv_shape
+    device, dtype = writer._cos_sin.device, torch.bfloat16
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    pieces = [(random(num_layers, 7, heads, dim)[:, 2:], random(num_layers, 7, heads, dim)
+               [:, 2:]), (random(num_layers, block_size, heads, dim),
+                          random(num_layers, block_size, heads, dim))]
+    tokens = 5 + block_size
+    positions = torch.arange(3, 3 + tokens)
+    slots = torch.tensor([1, 0])[positions // block_size] * block_size + positions % block_size
+    scales = (torch.rand(num_layers, tokens, generator=gen) + 0.5).to(dtype)
+    caches = [[torch.zeros((2, heads, block_size, 2 * dim), dtype=dtype, device=device)
+               for _ in range(num_layers)] for _ in range(2)]
+    writer.write(pieces, positions, slots, scales, caches[0])
+    chain(pieces, positions, slots, scales, caches[1])
+    return all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
+
+
+def first_exact(writers: Sequence[FusedCpuWriter | FusedTritonWriter], chain: ChainWrite,
+                kv_shape: tuple[int, int, int], block_size: int
+                ) -> FusedCpuWriter | FusedTritonWriter | None:
+    """The first of ``writers`` that writes what ``chain`` writes (``writes_like``); None
+    where none does or none can run its probe."""
+    for writer in writers:
+        try:
+            if writes_like(writer, chain, kv_shape, block_size):
+                return writer
+            log.warning("%s differs from the portable path here: not used", writer.name)
+        except Exception:  # noqa: BLE001 - a probe that cannot run: not that writer
+            log.exception("%s probe failed: not used", writer.name)
+    return None

@@ -1,0 +1,197 @@
+"""``inferscale bench | eval | calibrate``: the lab's commands, registered with the CLI as a
+plugin (entry point group ``inferscale.commands``) so the product never imports the lab."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from inferscale.devstack.demo import SAMPLE
+from inferscale.platform.settings import Settings
+
+
+def _bench(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.platform.model_prep import resolve_model_path
+
+    out = Path(args.out)
+    data = Path(args.data)
+    if args.which == "encode":
+        from inferscale.lab.bench import encode_rate as encode
+
+        encode.run(resolve_model_path(settings), data, out, facts=args.n)
+    elif args.which == "ttft":
+        from inferscale.lab.bench import ttft
+
+        ttft.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
+    elif args.which == "throughput":
+        from inferscale.lab.bench import throughput
+
+        throughput.run(settings, data, out)
+    elif args.which == "ingest":
+        from inferscale.lab.bench import ingest_rate as ingest
+
+        ingest.run(settings, data, out, limit=args.n)
+    elif args.which == "freshness":
+        from inferscale.lab.bench import freshness
+
+        freshness.run(settings, out, n=args.n)
+    elif args.which == "load":
+        from inferscale.lab.bench import load
+
+        load.run(settings, data, out)
+    elif args.which == "extract":
+        from inferscale.lab.bench import extract_compare as extract
+
+        extract.run(resolve_model_path(settings), data, out, turns=args.n)
+    elif args.which == "retrieval":
+        from inferscale.lab.bench import retrieval_latency as retrieval
+
+        retrieval.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
+    elif args.which == "pagein":
+        from inferscale.lab.bench import pagein
+
+        pagein.run(settings, resolve_model_path(settings), out, ks=tuple(args.k))
+    elif args.which == "inject":
+        from transformers import AutoConfig, LlamaConfig
+
+        from inferscale.lab.bench import inject
+
+        config = (AutoConfig.from_pretrained(resolve_model_path(settings))
+                  if args.shape == "served" else LlamaConfig(**inject.SHAPES[args.shape]))
+        inject.run(config, out, ks=tuple(args.k), requests=args.n, model=not args.no_model)
+    return 0
+
+
+def _eval(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.lab import evaluate
+
+    windows = args.w or [settings.window]
+    if args.dataset == "drift":
+        from inferscale.lab import drift
+
+        drift.run(settings, Path(args.data), Path(args.out), conversation=args.conversation,
+                  questions=args.questions, ks=tuple(args.k), strategies=tuple(args.strategies),
+                  w=windows[0], max_turns=args.max_turns, seed=args.seed,
+                  threads=args.threads, name=args.name, anchor=args.anchor,
+                  order=args.order)
+        return 0
+    evaluate.run(settings, Path(args.data), Path(args.out),
+                 conversations=tuple(args.conversations),
+                 questions=args.questions, ks=tuple(args.k), windows=tuple(windows),
+                 contexts=tuple(args.context or [settings.encode_context]),
+                 recomputes=tuple(args.recompute or [settings.recompute_tail]),
+                 order=args.order, oracle=args.oracle,
+                 leads=tuple(choice == "on" for choice in args.lead),
+                 max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed,
+                 key_scales=tuple(args.key_scales))
+    return 0
+
+
+def _key_scales_choice(raw: str) -> float | None:
+    """``--key-scales`` values: on (None: the server's own strength), off (0) or a strength."""
+    if raw in ("on", "off"):
+        return None if raw == "on" else 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected on, off or a number in [0, 1], got {raw!r}")
+    return value
+
+
+def _calibrate(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.lab import calibrate
+
+    calibrate.run(settings, Path(args.data), Path(args.out) if args.out else None,
+                  conversations=tuple(args.conversations), questions=args.questions,
+                  ks=tuple(args.k),
+                  max_turns=args.max_turns, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                  threads=args.threads)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add this group's subcommands."""
+    p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
+    p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
+                                            "load", "extract", "retrieval",
+                                            "pagein", "inject"])
+    p.add_argument("--data", default=str(SAMPLE),
+                   help="a LoCoMo-format file")
+    p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
+    p.add_argument("-n", type=int, default=20,
+                   help="facts / queries / turns (extract) per configuration")
+    p.add_argument("--k", type=int, nargs="+", default=[0, 5, 10, 20, 50],
+                   help="ttft, retrieval, pagein, inject: facts retrieved per question")
+    p.add_argument("--shape", default="served", choices=["served", "llama-3.1-8b"],
+                   help="inject: K/V and model shapes (random values): the served model's or "
+                        "Llama-3.1-8B's")
+    p.add_argument("--no-model", action="store_true",
+                   help="inject: skip the model-forward baseline")
+    p.set_defaults(func=_bench)
+
+    p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none; "
+                                    "drift: offline KL of encoding strategies (HF, no vLLM)")
+    p.add_argument("dataset", choices=["fidelity", "drift"])
+    p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--conversations", type=int, nargs="+", default=[0],
+                   help="fidelity: which conversations (indices into --data)")
+    p.add_argument("--questions", type=int, default=100, help="QA items in all (categories 1-4)")
+    p.add_argument("--k", type=int, nargs="+", default=[20])
+    p.add_argument("--w", type=int, nargs="+",
+                   help="encoding windows (default: INFERSCALE_WINDOW)")
+    p.add_argument("--context", choices=["turns", "neighbours"], nargs="+",
+                   help="encoding contexts: preceding turns, or most similar earlier facts "
+                        "(default: INFERSCALE_ENCODE_CONTEXT)")
+    p.add_argument("--recompute", type=int, nargs="+",
+                   help="tail recompute: best m facts prefilled after the injected ones "
+                        "(default: INFERSCALE_RECOMPUTE_TAIL)")
+    p.add_argument("--lead", choices=["on", "off"], nargs="+", default=["on"],
+                   help="inject with and/or without the lead encoding for the first fact served")
+    p.add_argument("--key-scales", type=_key_scales_choice, nargs="+", default=[None],
+                   metavar="on|off|STRENGTH",
+                   help="inject with the server's key scales as it applies them (on), without "
+                        "(off), and/or at these strengths in [0, 1] (each scale raised to it)")
+    p.add_argument("--order", choices=["relevance", "time"], default="relevance",
+                   help="fact order in the prompt (text and inject alike)")
+    p.add_argument("--oracle", action="store_true",
+                   help="also inject KV encoded with exactly its serving prefix (numerics only)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-turns", type=int, help="ingest only each conversation's first N turns")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversation", type=int, default=0, help="drift: which conversation")
+    p.add_argument("--strategies", nargs="+", default=["oracle", "turns", "neighbours"],
+                   help="drift: encoding strategies (name or name@w): oracle, oracle-local, "
+                        "none, turns, neighbours, neighbours-first, neighbours-time, "
+                        "neighbours-len, neighbours-avg, neighbours-rand, neighbours-select, "
+                        "neighbours-all, neighbours-backfill, coret, stream; '-pos0' suffix: "
+                        "the first fact served uses its preamble-only encoding; '+scales': "
+                        "the facts' keys scaled by the key scales (INFERSCALE_KEY_SCALES); "
+                        "'/first<b>', '/tail<m>', '/blend<r>', '/random<r>': selective "
+                        "recompute after injection")
+    p.add_argument("--threads", type=int, default=2, help="drift: torch CPU threads")
+    p.add_argument("--name", default="drift", help="drift: report name (<out>/<name>.json)")
+    p.add_argument("--anchor", help="drift: a fixed memory line after the preamble (layout "
+                                    "variant, text and inject alike)")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("calibrate", help="fit the served model's key scales on LoCoMo-format "
+                                         "conversations (HF, offline)")
+    p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
+    p.add_argument("--out", help="the scales file (default: <data_dir>/key_scales/<model>.json; "
+                                 "its points at other fact counts are kept)")
+    p.add_argument("--conversations", type=int, nargs="+", default=[1, 2],
+                   help="conversation indexes to fit on (keep evaluation ones out)")
+    p.add_argument("--questions", type=int, default=40, help="questions per conversation")
+    p.add_argument("--k", type=int, nargs="+", default=[20, 50],
+                   help="facts per served prompt: one fitted point each (other points already "
+                        "in the output file are kept)")
+    p.add_argument("--max-turns", type=int, default=150, help="each conversation's first N turns")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.set_defaults(func=_calibrate)

@@ -1,0 +1,144 @@
+"""`inferscale serve`: vLLM OpenAI server with the InferScale connector and memory front end."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from inferscale.db.engine import resolve_database_url
+from inferscale.devstack.infra import InfraError, resolve_kafka_bootstrap
+from inferscale.platform.model_prep import resolve_model_path
+from inferscale.platform.settings import Settings, settings_env
+
+log = logging.getLogger("inferscale.serving.serve")
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "InferScaleConnector",
+    "kv_connector_module_path": "inferscale.serving.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+
+
+def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
+    """The preamble blob must exist before the first injected request; encode it if missing."""
+    from inferscale.contracts.fingerprint import model_fingerprint
+    from inferscale.contracts.plan import PREAMBLE
+    from inferscale.kv.encoder import ensure_preamble, load_encoder
+    from inferscale.kv.store import KVStore
+
+    store = KVStore.from_settings(settings, model_fingerprint(model_path), host_bytes=0)
+    if not store.exists(PREAMBLE):
+        ensure_preamble(load_encoder(settings.model_copy(update={"model_path": model_path})),
+                        store)
+
+
+def api_keys_in(vllm_args: list[str]) -> list[str]:
+    """The values of vLLM's ``--api-key`` in a vLLM command line (``--api-key A B``, ``=A``)."""
+    keys, taking = [], False
+    for arg in vllm_args:
+        if arg.startswith("--api-key="):
+            keys.append(arg.split("=", 1)[1])
+            taking = False
+        elif arg == "--api-key":
+            taking = True
+        elif taking and not arg.startswith("-"):
+            keys.append(arg)
+        else:
+            taking = False
+    return keys
+
+
+def server_command(settings: Settings, extra_args: list[str] | None = None
+                   ) -> tuple[list[str], dict[str, str]]:
+    """The vLLM server command line and environment for these settings."""
+    from inferscale.kv.key_scales import resolve_for_server
+
+    model_path = resolve_model_path(settings)
+    metrics_dir = settings.data_dir / "prometheus" / str(settings.server_port)
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
+    extra_args = list(extra_args or [])
+    try:
+        bootstrap = resolve_kafka_bootstrap(settings)
+    except InfraError:
+        bootstrap = None  # serving works without a broker; invalidations then stay local
+    child = settings.model_copy(update={
+        "kafka_bootstrap": bootstrap,
+        "database_url": resolve_database_url(settings), "model_path": model_path,
+        "kv_dir": settings.kv_path, "plan_secret": settings.plan_secret or secrets.token_hex(32),
+        "key_scales": resolve_for_server(settings.key_scales, model_path),
+        "vllm_api_keys": settings.vllm_api_keys or api_keys_in(extra_args)})
+    if not (child.api_keys or child.anonymous_memory):
+        log.warning("no INFERSCALE_API_KEYS on %s: memory requests will be refused (401); set "
+                    "INFERSCALE_ALLOW_ANONYMOUS=true to serve them to anyone", child.server_host)
+    env = {
+        **settings_env(child),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                 str(settings.vllm_kv_cache_gib)),
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "HF_HUB_OFFLINE": "1",
+    }
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path), "--served-model-name", "inferscale",
+        "--host", settings.server_host, "--port", str(settings.server_port),
+        "--max-model-len", str(settings.max_model_len),
+        "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
+        "--middleware", "inferscale.serving.frontend.MemoryFrontend",
+        "--worker-extension-cls", "inferscale.serving.connector.InferScaleWorkerExtension",
+        *extra_args,
+    ]
+    return argv, env
+
+
+def start_server(settings: Settings, extra_args: list[str] | None = None,
+                 log_path: Path | None = None) -> subprocess.Popen:
+    """Start the server in the background (after making sure the preamble KV and the query
+    embedder's ONNX export exist, so the first request pays for neither)."""
+    ensure_preamble_kv(settings, resolve_model_path(settings))
+    from inferscale.pipeline.embedder import Embedder, onnx_cache
+
+    if (cache := onnx_cache(settings)) is not None:
+        Embedder(settings.embedder, onnx_cache=cache)  # makes the export; not kept in memory
+    argv, env = server_command(settings, extra_args)
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the process
+    return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Block until ``url``/health answers 200; raise if the server exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"vLLM server not ready after {timeout_s}s")
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM the server's process group, then SIGKILL if it lingers."""
+    import signal
+
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

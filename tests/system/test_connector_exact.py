@@ -1,0 +1,157 @@
+"""Exactness of injection on a seeded tiny random Llama in fp32 through the real vLLM engine.
+
+One fact, encoded after exactly the prefix it is served after (window 0, k = 1): injected KV
+must reproduce text prefill's greedy tokens and top logprobs within 1e-4. A poisoned blob (valid
+checksum, wrong values) must not: that shows the comparison can fail. A fact encoded after
+another one is exact when served first only through its lead encoding. The server has key
+scales (0.5 per layer): requests that ask for them move away from text prefill, the others
+stay exact.
+"""
+
+import json
+import uuid
+
+import pytest
+import torch
+from sqlalchemy import select
+
+from conftest import running_server
+from helpers import ingest_and_encode, turn
+from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.db.tables import facts
+from inferscale.kv.encoder import FactEncoder
+from inferscale.kv.store import KVStore
+
+pytestmark = pytest.mark.slow
+KEY_SCALE = 0.5
+
+
+@pytest.fixture(scope="module")
+def tiny_served(base_settings, tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("exact")
+    scales = root / "key-scales.json"
+    scales.write_text(json.dumps({"model": "llama",
+                                  "points": [{"facts": 1, "scales": [KEY_SCALE] * 3}]}))
+    settings = base_settings.model_copy(update={
+        "model_path": tiny_models["llama"], "kv_dir": root / "kv", "data_dir": root,
+        "window": 0, "top_k": 1, "key_scales": str(scales)})
+    with running_server(settings, root / "server.log",
+                        ["--enforce-eager", "--dtype", "float32", "--max-model-len",
+                         "2048"]) as server:
+        yield server
+
+
+def _tokens_and_logprobs(response) -> tuple[list[str], list[dict[str, float]]]:
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return ([c["token"] for c in content],
+            [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content])
+
+
+def _max_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
+    return max(abs(x[t] - y[t]) for x, y in zip(a, b, strict=True) for t in x if t in y)
+
+
+async def _user(tiny_served, settings, engine, embedder, encoder, store, *texts, window=0):
+    user = f"exact-{uuid.uuid4().hex[:6]}"
+    cfg = settings.model_copy(update={**{k: getattr(tiny_served.settings, k) for k in (
+        "model_path", "kv_dir", "data_dir")}, "window": window})
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, f"t{i}", "Sam", text, day=i + 1) for i, text in enumerate(texts)],
+        encoder, store)
+    return user
+
+
+def _encoder_and_store(tiny_served, tiny_models):
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    store = KVStore.from_settings(tiny_served.settings, model_fingerprint(tiny_models["llama"]),
+                                  host_bytes=1 << 28)
+    return encoder, store
+
+
+async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, engine, embedder):
+    encoder, store = _encoder_and_store(tiny_served, tiny_models)
+    question = "What does Sam do for a living?"
+    kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
+    user = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                       "I am a marine biologist at the city aquarium.")
+    injected = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    assert injected.headers["x-inferscale-facts-injected"] == "1"
+    assert injected.json()["kv_transfer_params"]["injected_tokens"] == int(
+        injected.headers["x-inferscale-injected-tokens"]) > len(encoder.layout.preamble_ids)
+    text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
+    tokens_i, logprobs_i = _tokens_and_logprobs(injected)
+    tokens_t, logprobs_t = _tokens_and_logprobs(text)
+    assert tokens_i == tokens_t
+    assert _max_diff(logprobs_i, logprobs_t) < 1e-4
+
+    # Negative control: same tokens and a valid checksum, wrong values -> visibly different.
+    poisoned = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                           "I am a marine biologist at the city aquarium.")
+    async with engine.connect() as conn:
+        fact_id = (await conn.execute(select(facts.c.id).where(
+            facts.c.user_id == poisoned))).scalar_one()
+    blob = store.load(str(fact_id))
+    stored = store.put(str(fact_id), blob.k, blob.v * 3.0, blob.token_ids, window=0)
+    async with engine.begin() as conn:
+        await conn.execute(facts.update().where(facts.c.id == fact_id).values(
+            kv_checksum=stored.checksum))
+    bad = tiny_served.chat(poisoned, question, k=1, key_scales=False, **kwargs)
+    _, logprobs_bad = _tokens_and_logprobs(bad)
+    assert _max_diff(logprobs_bad, logprobs_t) > 1e-2
+
+
+async def test_the_fact_served_first_is_exact_through_its_lead_encoding(
+        tiny_served, settings, tiny_models, engine, embedder):
+    encoder, store = _encoder_and_store(tiny_served, tiny_models)
+    question = "Is Sam a marine biologist at the city aquarium?"
+    kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
+    # The second fact is encoded after the first (window 1): served alone, right after the
+    # preamble, only its lead encoding has exactly its serving prefix.
+    user = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                       "I have a golden retriever called Max.",
+                       "I am a marine biologist at the city aquarium.", window=1)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(facts.c.id, facts.c.kv_lead_checksum).where(
+            facts.c.user_id == user).order_by(facts.c.id))).all()
+    assert rows[0].kv_lead_checksum is None  # encoded after the preamble alone already
+    assert rows[1].kv_lead_checksum is not None
+    text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
+    lead = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    no_lead = tiny_served.chat(user, question, k=1, lead=False, key_scales=False, **kwargs)
+    for response in (text, lead, no_lead):
+        assert response.headers["x-inferscale-fact-ids"] == str(rows[1].id), response.text
+    assert lead.headers["x-inferscale-facts-injected"] == "1"
+    _, logprobs_t = _tokens_and_logprobs(text)
+    tokens_lead, logprobs_lead = _tokens_and_logprobs(lead)
+    assert tokens_lead == _tokens_and_logprobs(text)[0]
+    assert _max_diff(logprobs_lead, logprobs_t) < 1e-4
+    # Control: the fact's own encoding (after the other fact) is measurably off here.
+    assert _max_diff(_tokens_and_logprobs(no_lead)[1], logprobs_t) > 1e-3
+
+
+async def test_key_scales_apply_to_the_facts_of_requests_that_ask(tiny_served, settings,
+                                                                  tiny_models, engine, embedder):
+    encoder, store = _encoder_and_store(tiny_served, tiny_models)
+    question = "Where does Sam work?"
+    kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
+    user = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                       "I work at the city aquarium as a diver.")
+    text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
+    scaled = tiny_served.chat(user, question, k=1, **kwargs)  # the server's default: scaled
+    unscaled = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    assert scaled.headers["x-inferscale-facts-injected"] == "1"
+    _, logprobs_t = _tokens_and_logprobs(text)
+    assert _max_diff(_tokens_and_logprobs(unscaled)[1], logprobs_t) < 1e-4
+    # the fact's keys at 0.5 ** 0.75 of their size (the default strength): the question attends
+    # to it differently
+    assert _max_diff(_tokens_and_logprobs(scaled)[1], logprobs_t) > 1e-3
+    again = tiny_served.chat(user, question, k=1, **kwargs)  # its own prefix-cache blocks
+    assert _max_diff(_tokens_and_logprobs(again)[1], _tokens_and_logprobs(scaled)[1]) < 1e-4
+    # another strength: the keys at 0.5 ** 0.5 of their size, neither unscaled nor the default
+    half = tiny_served.chat(user, question, k=1, key_scales=0.5, **kwargs)
+    assert half.headers["x-inferscale-facts-injected"] == "1"
+    assert _max_diff(_tokens_and_logprobs(half)[1], logprobs_t) > 1e-3
+    assert _max_diff(_tokens_and_logprobs(half)[1], _tokens_and_logprobs(scaled)[1]) > 1e-3
+    assert _max_diff(_tokens_and_logprobs(tiny_served.chat(
+        user, question, k=1, key_scales=0, **kwargs))[1], logprobs_t) < 1e-4

@@ -1,0 +1,262 @@
+"""Hostile requests against the real server (vLLM CPU engine + connector + memory front end).
+
+Every POST route vLLM serves is tried with client-made ``kv_transfer_params`` (top level, nested,
+through ``vllm_xargs``, in forms), oversized and malformed bodies, and hypothesis-generated chat
+requests; afterwards the server still answers ``/health`` and a normal memory query with KV.
+"""
+
+import json
+import uuid
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import ingest_and_encode, turn
+from hostile import any_text, json_values, tried
+
+pytestmark = pytest.mark.slow
+
+FORGED_PLAN = {"inferscale": {"sig": "\u00e9", "fingerprint": "x", "segments": []}}
+HOSTILE_BODIES = [
+    {"kv_transfer_params": FORGED_PLAN},
+    {"kv_transfer_params": 1},
+    {"vllm_xargs": {"kv_transfer_params": 1}},
+    {"vllm_xargs": {"kv_transfer_params": "{\"inferscale\": {}}"}},
+    {"messages": [{"role": "user", "content": "hi", "kv_transfer_params": FORGED_PLAN}]},
+]
+GENERATION_BASE = {"model": "inferscale", "max_tokens": 2, "max_output_tokens": 2,
+                   "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi"}
+KNOWN_KV_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
+
+
+@pytest.fixture(scope="module")
+async def memory_user(served, smol, base_settings, engine, embedder):
+    """A user with two encoded facts, for the 'still serves memory' checks."""
+    encoder, store = smol
+    user = f"hostile-{uuid.uuid4().hex[:6]}"
+    cfg = base_settings.model_copy(update={
+        "turns_topic": f"turns-{user}", "dead_letter_topic": f"turns-{user}.dlq",
+        "consumer_group": f"ingest-{user}", **{k: getattr(served.settings, k) for k in (
+            "model_path", "kv_dir", "data_dir", "window", "top_k")}})
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, "t1", "Ines", "My horse is called Biscuit and she is twelve years old."),
+        turn(user, "t2", "Ines", "I teach chemistry at a school in Porto.")], encoder, store)
+    return user
+
+
+@pytest.fixture(scope="module")
+def post_routes(served) -> dict[str, dict]:
+    """Every POST route of the running server, from its own OpenAPI document."""
+    spec = httpx.get(f"{served.url}/openapi.json", timeout=30).json()
+    return {path: ops["post"] for path, ops in spec["paths"].items() if "post" in ops}
+
+
+def _schema_mentions(spec: dict, node, names: tuple[str, ...]) -> bool:
+    """Whether a (ref-resolved) schema has a property with one of ``names``, at any depth."""
+    stack, seen = [node], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if ref and ref not in seen:
+                seen.add(ref)
+                target = spec
+                for part in ref.removeprefix("#/").split("/"):
+                    target = target[part]
+                stack.append(target)
+            if any(n in item.get("properties", {}) for n in names):
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _assert_alive_with_memory(served, user: str) -> None:
+    assert httpx.get(f"{served.url}/health", timeout=30).status_code == 200
+    response = served.chat(user, "What is the name of Ines's horse?", k=2)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-inferscale-facts-injected"] == "2"
+    assert response.json()["kv_transfer_params"]["injected_tokens"] > 0
+
+
+def test_every_post_route_refuses_client_kv_transfer_params(served, post_routes, memory_user):
+    spec = httpx.get(f"{served.url}/openapi.json", timeout=30).json()
+    kv_routes = {path for path, op in post_routes.items()
+                 if _schema_mentions(spec, op.get("requestBody", {}),
+                                     ("kv_transfer_params", "vllm_xargs"))}
+    # The routes this vLLM release feeds into Request.kv_transfer_params are all still here
+    # (if vLLM adds one, the guard covers it anyway: it does not depend on the path).
+    assert KNOWN_KV_ROUTES <= kv_routes, kv_routes
+    sent = 0
+    for path in sorted(post_routes):
+        for hostile in HOSTILE_BODIES:
+            response = httpx.post(f"{served.url}{path}", json={**GENERATION_BASE, **hostile},
+                                  timeout=60)
+            sent += 1
+            assert response.status_code == 400, (path, hostile, response.text)
+            assert "reserved" in response.json()["error"]["message"]
+            assert not any(h.startswith("x-inferscale") for h in response.headers)
+        form = httpx.post(f"{served.url}{path}", timeout=60, data={
+            "model": "inferscale", "vllm_xargs": json.dumps({"kv_transfer_params": 1})})
+        sent += 1
+        assert form.status_code == 400, (path, form.text)
+    tried("server: reserved keys, every POST route", sent)
+    _assert_alive_with_memory(served, memory_user)
+
+
+def test_named_regressions(served, memory_user):
+    """The requests that killed the engine or answered 500 before."""
+    url = served.url
+    anthropic = httpx.post(f"{url}/v1/messages", timeout=60, json={
+        "model": "inferscale", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "kv_transfer_params": {"inferscale": {"sig": "\u00e9"}}})
+    assert anthropic.status_code == 400
+    xargs = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        **GENERATION_BASE, "vllm_xargs": {"kv_transfer_params": 1}})
+    assert xargs.status_code == 400
+    escaped = httpx.post(f"{url}/v1/completions", timeout=60, headers={
+        "content-type": "application/json"}, content=b'{"model": "inferscale", "prompt": "hi", '
+        b'"kv\\u005ftransfer_params": {"inferscale": {}}}')
+    assert escaped.status_code == 400
+    deep = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={
+        "content-type": "application/json"}, content=b"[" * 100_000 + b"]" * 100_000)
+    assert deep.status_code == 400
+    huge_int = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={
+        "content-type": "application/json"}, content=b'{"max_tokens": ' + b"9" * 5000 + b"}")
+    assert huge_int.status_code == 400
+    huge_k = served.chat(memory_user, "hi", k=10**400)
+    assert huge_k.status_code == 400
+    tried("server: named regressions", 6)
+    _assert_alive_with_memory(served, memory_user)
+
+
+def test_oversized_bodies_get_413(served, memory_user):
+    limit = served.settings.max_body_bytes
+    declared = httpx.post(f"{served.url}/v1/chat/completions", timeout=60,
+                          headers={"content-type": "application/json"},
+                          content=b" " * (limit + 1))
+    assert declared.status_code == 413
+
+    def chunks():  # no content-length: refused once the running total passes the limit
+        for _ in range(64):
+            yield b" " * (1 << 20)
+
+    streamed = httpx.post(f"{served.url}/v1/completions", timeout=60,
+                          headers={"content-type": "application/json"}, content=chunks())
+    assert streamed.status_code == 413
+    tried("server: oversized bodies", 2)
+    _assert_alive_with_memory(served, memory_user)
+
+
+def test_openai_message_forms_are_memory_requests(served, memory_user):
+    # k = 1: the query is the joined text parts, so the one fact retrieved is the horse's (and,
+    # served alone after the preamble, its KV is exactly what text prefill computes).
+    response = served.chat(memory_user, "unused", k=1, messages=[
+        {"role": "developer", "content": "Answer in one short sentence."},
+        {"role": "user", "name": "ines", "content": [
+            {"type": "text", "text": "What is the name of"}, {"type": "text", "text":
+                                                             "Ines's horse?"}]}])
+    assert response.status_code == 200, response.text
+    assert response.headers["x-inferscale-facts-injected"] == "1"
+    assert "Biscuit" in response.json()["choices"][0]["message"]["content"]
+    image = served.chat(memory_user, "unused", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    assert image.status_code == 400 and "text content" in image.json()["error"]["message"]
+
+
+def test_refusals_carry_no_memory_headers(served, memory_user):
+    too_long = served.chat(memory_user, "What is the name of Ines's horse?", k=2,
+                           max_tokens=10**6)
+    assert 400 <= too_long.status_code < 500
+    assert not any(h.startswith("x-inferscale") for h in too_long.headers)
+
+
+async def test_text_prompts_are_salted_per_owner(served, memory_user):
+    """A text-mode memory prompt's cached blocks serve its owner again, nobody else."""
+    from inferscale.serving.frontend import MemoryOptions, _Runtime, compose
+
+    question = "Where does Ines teach?"
+    messages = [{"role": "system", "content": "Answer briefly. " * 150},  # > 2 cache blocks
+                {"role": "user", "content": question}]
+    served.chat(memory_user, question, mode="text", k=2, messages=messages)
+    again = served.chat(memory_user, question, mode="text", k=2, messages=messages)
+    assert (again.json()["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) > 0
+    rt = _Runtime(served.settings)
+    try:
+        prompt = await compose(rt, memory_user, MemoryOptions("text", 2), messages, question)
+    finally:
+        await rt.engine.dispose()
+    stranger = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
+        "model": "inferscale", "max_tokens": 1, "prompt": prompt.token_ids})
+    assert stranger.status_code == 200, stranger.text
+    assert stranger.json()["usage"]["prompt_tokens"] == again.json()["usage"]["prompt_tokens"]
+    assert (stranger.json()["usage"].get("prompt_tokens_details") or {}).get(
+        "cached_tokens", 0) == 0
+
+
+chat_bodies = st.fixed_dictionaries({
+    "model": st.just("inferscale"),
+    "max_tokens": st.just(1),
+    "messages": st.one_of(json_values, st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "system", "developer", "assistant", "tool", "x"]),
+        "content": st.one_of(any_text, json_values, st.lists(st.fixed_dictionaries({
+            "type": st.sampled_from(["text", "input_text", "image_url"]),
+            "text": any_text}), max_size=3))}), max_size=3)),
+}, optional={
+    "user": st.one_of(any_text, json_values),
+    "inferscale": st.one_of(json_values, st.fixed_dictionaries({}, optional={
+        "mode": st.one_of(st.sampled_from(["inject", "text", "none"]), json_values),
+        "k": st.one_of(st.integers(-5, 300), json_values)})),
+    "cache_salt": json_values,
+    "stream": st.booleans(),
+    "temperature": json_values,
+})
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@given(body=chat_bodies, user_header=st.one_of(st.none(), st.from_regex(
+    r"[!-~]([ -~]{0,38}[!-~])?", fullmatch=True)))
+def test_fuzzed_chat_requests_never_crash(served, body, user_header):
+    headers = {"x-inferscale-user": user_header} if user_header else {}
+    raw = json.dumps(body).encode()
+    response = httpx.post(f"{served.url}/v1/chat/completions", content=raw, timeout=120,
+                          headers={"content-type": "application/json", **headers})
+    tried("server: fuzzed chat requests")
+    assert response.status_code < 500, (body, response.text)
+
+
+LIMITS = {"max_tokens": 1, "max_output_tokens": 1, "max_completion_tokens": 1}
+route_bodies = st.one_of(json_values, st.dictionaries(
+    st.sampled_from(["model", "messages", "prompt", "input", "user", "inferscale", "stream",
+                     "cache_salt", "n", "logprobs", "tools", "requests"]) | any_text,
+    json_values, max_size=6))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_bodies_on_every_route_leave_the_server_up(served, post_routes, data):
+    """Arbitrary JSON on every POST route (engine-control routes aside) and the forget route:
+    whatever each route answers, the server stays up."""
+    from inferscale.serving.frontend import CONTROL_PATHS, FORGET_PATH
+
+    paths = sorted(set(post_routes) - CONTROL_PATHS | {FORGET_PATH})
+    path = data.draw(st.sampled_from(paths))
+    body = data.draw(route_bodies)
+    if isinstance(body, dict):
+        body = {**body, **LIMITS}  # never a long generation on 2 cores
+    response = httpx.post(f"{served.url}{path}", content=json.dumps(body).encode(), timeout=120,
+                          headers={"content-type": "application/json"})
+    tried("server: fuzzed bodies, every POST route")
+    if response.status_code >= 500:  # reported, not fatal: the contract is that it stays up
+        tried(f"server: fuzzed bodies answered {response.status_code} on {path}")
+    assert httpx.get(f"{served.url}/health", timeout=30).status_code == 200, (path, body)
+
+
+def test_alive_after_fuzzing(served, memory_user):
+    _assert_alive_with_memory(served, memory_user)

@@ -1,0 +1,202 @@
+"""The fused CPU KV writer writes exactly what the portable chain writes (vLLM's rotary kernel
+through ChunkedRope, then vLLM's CPU cache update), for each cache layout it takes, and refuses
+what it cannot take without touching the cache."""
+
+import importlib.util
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvcases import kv_case
+from transformers import LlamaConfig
+from vllm import _custom_ops as ops
+
+from inferscale.kv import fused as kvwrite
+from inferscale.kv.chain import ChainWriter
+from inferscale.kv.fused import LAYOUTS, FusedCpuWriter
+from inferscale.kv.rope import ChunkedRope
+
+needs_kernel = pytest.mark.skipif(not kvwrite.available(), reason="built without a compiler")
+BF16 = torch.bfloat16
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_kernel_is_built_where_a_compiler_is():
+    """The install builds the kernel optionally (a failed compile is only a warning), so this
+    is where a broken or stale build shows: built, and from the source as it is now."""
+    assert kvwrite.available()
+    built = importlib.util.find_spec("inferscale.kv._fused_cpu")
+    assert built is not None and built.origin is not None
+    source = Path(kvwrite.__file__).with_name("_fused_cpu.c")
+    assert Path(built.origin).stat().st_mtime >= source.stat().st_mtime
+
+
+def _rope(layers: int, heads: int, dim: int, partial: float) -> ChunkedRope:
+    config = LlamaConfig(hidden_size=2 * dim, num_attention_heads=2, num_key_value_heads=heads,
+                         head_dim=dim, max_position_embeddings=4096, num_hidden_layers=layers,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": partial})
+    return ChunkedRope(config, BF16)
+
+
+class _CpuImpl:
+    """The cache update of vLLM's CPU attention backend, for layers built here."""
+
+    kv_cache_dtype = "auto"
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        blocks, heads, block_size, _ = kv_cache.shape
+        k_cache, v_cache = kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, layer.isa,
+                                       1.0, 1.0, "auto")
+
+
+def _chain(pieces, positions, slots, scales, caches, rope, isa):
+    k = torch.cat([piece[0] for piece in pieces], dim=1)
+    v = torch.cat([piece[1] for piece in pieces], dim=1)
+    rope.rotate_(k, positions, scales)
+    for layer, cache in enumerate(caches):
+        _CpuImpl().do_kv_cache_update(SimpleNamespace(isa=isa), k[layer], v[layer], cache, slots)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(isa=st.sampled_from(sorted(LAYOUTS)), heads=st.integers(1, 3),
+       dim=st.sampled_from([32, 64, 128]), partial=st.sampled_from([1.0, 0.5]),
+       block_size=st.sampled_from([32, 128]),
+       lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+       start=st.integers(0, 300), scaled=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_size, lengths,
+                                                start, scaled, seed):
+    gen = torch.Generator().manual_seed(seed)
+    layers = 3
+    skips = torch.randint(0, 4, (len(lengths),), generator=gen).tolist()
+    pieces, positions, slots, scales, shape = kv_case(gen, layers, heads, dim, block_size,
+                                                    lengths, skips, start, scaled)
+    rope = _rope(layers, heads, dim, partial)
+    ours = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
+    theirs = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
+    FusedCpuWriter(LAYOUTS[isa], rope.cos_sin, rope.rotary_dim).write(
+        pieces, positions, slots, scales, ours)
+    _chain(pieces, positions, slots, scales, theirs, rope, isa)
+    for layer in range(layers):
+        assert torch.equal(ours[layer], theirs[layer])
+    assert all(cache.abs().sum() > 0 for cache in ours)  # something was written
+
+
+def _writer_and_case(**overrides):
+    gen = torch.Generator().manual_seed(0)
+    rope = _rope(2, 2, 64, 1.0)
+    pieces, positions, slots, scales, shape = kv_case(gen, 2, 2, 64, 32, [5, 9], [0, 1], 3, True)
+    case = {"pieces": pieces, "positions": positions, "slots": slots, "scales": scales,
+            "caches": [torch.zeros(shape, dtype=BF16) for _ in range(2)]}
+    case.update(overrides)
+    return FusedCpuWriter(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim), case
+
+
+@needs_kernel
+@pytest.mark.parametrize("hostile", [
+    {"slots": torch.arange(14) + 10_000},                       # outside the cache
+    {"slots": torch.arange(14) - 1},                            # negative slot
+    {"positions": torch.arange(14) + 4090},                     # beyond the RoPE table
+    {"slots": torch.arange(13)},                                # one slot short
+    {"scales": torch.ones(2, 13, dtype=BF16)},                  # scales for other tokens
+    {"caches": [torch.zeros(4, 2, 32, 128, dtype=BF16)]},       # a layer's cache missing
+    {"caches": [torch.zeros(4, 3, 32, 128, dtype=BF16)] * 2},   # other heads
+    {"caches": [torch.zeros(4, 2, 32, 128, dtype=torch.float16)] * 2},  # not bf16
+    {"caches": [torch.zeros(4, 2, 128, 32, dtype=BF16).transpose(2, 3)] * 2},  # not contiguous
+    {"pieces": [(torch.zeros(2, 5, 2, 64), torch.zeros(2, 5, 2, 64))]},  # fp32 rows
+    {"pieces": [(torch.zeros(2, 5, 64, 2, dtype=BF16).transpose(2, 3),
+                 torch.zeros(2, 5, 2, 64, dtype=BF16))]},       # rows not contiguous
+])
+def test_what_the_kernel_cannot_take_is_refused_untouched(hostile):
+    writer, case = _writer_and_case(**hostile)
+    before = [cache.clone() for cache in case["caches"]]
+    with pytest.raises(ValueError, match="fused KV write"):
+        writer.write(**case)
+    assert all(torch.equal(a, b) for a, b in zip(case["caches"], before, strict=True))
+
+
+def _layers(isa="amx", dtype=BF16, cache_dtype="auto", indices=(0, 1)):
+    return [(i, SimpleNamespace(isa=isa, impl=SimpleNamespace(kv_cache_dtype=cache_dtype),
+                                kv_cache=torch.zeros(2, 1, 32, 128, dtype=dtype)))
+            for i in indices]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("layers", "applies"), [
+    (_layers(), True),
+    (_layers(isa="vec"), True),
+    (_layers(isa="vec16"), False),
+    (_layers(isa="neon"), False),
+    (_layers(dtype=torch.float16), False),
+    (_layers(cache_dtype="fp8"), False),
+    (_layers(indices=(0,)), False),   # a layer of the model has no cache here
+])
+def test_writer_applies_only_where_the_kernel_does(layers, applies):
+    rope = _rope(2, 1, 64, 1.0)
+    writer = FusedCpuWriter.for_layers(layers, 2, rope.cos_sin, rope.rotary_dim)
+    assert (writer is not None) == applies
+
+
+@needs_kernel
+def test_caches_not_aligned_to_lines_are_written_alike():
+    """Whole groups go out as streamed 64-byte lines; a cache that does not start on a 16-byte
+    boundary takes plain stores, with the same bits."""
+    gen = torch.Generator().manual_seed(1)
+    rope = _rope(2, 2, 64, 1.0)
+    pieces, positions, slots, scales, shape = kv_case(gen, 2, 2, 64, 32, [40, 30], [0, 2], 0,
+                                                    True)
+    size = torch.Size(shape).numel()
+    ours = [torch.zeros(size + 1, dtype=BF16)[1:].view(shape) for _ in range(2)]
+    assert all(cache.data_ptr() % 16 for cache in ours)
+    theirs = [torch.zeros(shape, dtype=BF16) for _ in range(2)]
+    FusedCpuWriter(LAYOUTS["amx"], rope.cos_sin, rope.rotary_dim).write(
+        pieces, positions, slots, scales, ours)
+    _chain(pieces, positions, slots, scales, theirs, rope, "amx")
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def _connector(isa="amx"):
+    from inferscale.serving.connector import _UNDECIDED, InferScaleConnector
+
+    connector = InferScaleConnector.__new__(InferScaleConnector)
+    connector._kv_shape, connector._block_size, connector._dtype = (2, 2, 64), 32, BF16
+    connector._rope, connector._writer = _rope(2, 2, 64, 1.0), _UNDECIDED
+    connector._chain = ChainWriter(connector._rope)
+    layers = [(i, SimpleNamespace(isa=isa, impl=_CpuImpl(),
+                                  kv_cache=torch.zeros(4, 2, 32, 128, dtype=BF16)))
+              for i in range(2)]
+    return connector, layers
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", sorted(LAYOUTS))
+def test_connector_uses_the_writer_that_passes_its_probe(isa):
+    connector, layers = _connector(isa)
+    assert isinstance(connector._fused_writer(layers), FusedCpuWriter)
+
+
+@needs_kernel
+def test_connector_keeps_the_portable_path_when_the_probe_differs(monkeypatch):
+    connector, layers = _connector("amx")
+    rope = connector._rope
+    monkeypatch.setattr(FusedCpuWriter, "for_layers", classmethod(  # the other layout's writer
+        lambda cls, *_: cls(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim)))
+    assert connector._fused_writer(layers) is None
+    assert connector._fused_writer(layers) is None  # decided once
+
+
+@needs_kernel
+def test_connector_keeps_the_portable_path_when_the_probe_cannot_run(monkeypatch):
+    connector, layers = _connector("amx")
+
+    def broken(*_):
+        raise ValueError("fused KV write: broken")
+
+    monkeypatch.setattr(FusedCpuWriter, "write", broken)
+    assert connector._fused_writer(layers) is None

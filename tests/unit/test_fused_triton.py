@@ -1,0 +1,112 @@
+"""The fused Triton writer (vLLM's CUDA cache layout) against the portable chain, run on the
+host under Triton's interpreter: the same bits for every case, whichever rotary kernel's
+rounding it follows, and the connector's probe picks the rounding that matches."""
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvcases import kv_case
+from transformers import LlamaConfig
+
+from inferscale.kv.chain import ChainWriter
+from inferscale.kv.fused import FusedTritonWriter, first_exact
+from inferscale.kv.rope import ChunkedRope
+from inferscale.lab.bench.inject import flash_update
+
+pytest.importorskip("triton")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted():
+    """The kernel compiled for Triton's interpreter (host tensors), then as it was."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        importlib.reload(importlib.import_module("inferscale.kv._fused_triton"))
+        yield
+    importlib.reload(importlib.import_module("inferscale.kv._fused_triton"))
+
+
+def _rope(heads: int, dim: int, partial: float, vllm_kernel: bool) -> ChunkedRope:
+    config = LlamaConfig(hidden_size=heads * dim * 2, num_attention_heads=heads * 2,
+                         num_key_value_heads=heads, num_hidden_layers=2, intermediate_size=64,
+                         vocab_size=100, max_position_embeddings=512, rope_theta=10000.0,
+                         head_dim=dim, partial_rotary_factor=partial)
+    rope = ChunkedRope(config, BF16)
+    if not vllm_kernel:
+        rope._kernel = None  # torch's bf16 ops
+    return rope
+
+
+def _case(gen, heads, dim, lengths, skips, start, block_size, scaled):
+    return kv_case(gen, 2, heads, dim, block_size, lengths, skips, start, scaled)
+
+
+def _zeros(shape):
+    return [torch.zeros(shape, dtype=BF16) for _ in range(2)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(heads=st.integers(1, 3), dim=st.sampled_from([32, 64]), partial=st.sampled_from([1.0, 0.5]),
+       lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), start=st.integers(0, 30),
+       block_size=st.sampled_from([1, 16]), scaled=st.booleans(), seed=st.integers(0, 99))
+def test_the_triton_writer_writes_the_chains_bits(heads, dim, partial, lengths, start,
+                                                  block_size, scaled, seed):
+    gen = torch.Generator().manual_seed(seed)
+    skips = [seed % 3] * len(lengths)
+    pieces, positions, slots, scales, shape = _case(gen, heads, dim, lengths, skips, start,
+                                                    block_size, scaled)
+    kernels = [False, True] if _rope(1, 32, 1.0, True)._kernel is not None else [False]
+    for vllm_kernel in kernels:  # torch's bf16 ops round each op; vLLM's CPU kernel once
+        rope = _rope(heads, dim, partial, vllm_kernel)
+        ours, theirs = _zeros(shape), _zeros(shape)
+        FusedTritonWriter(rope.cos_sin, rope.rotary_dim, round_once=vllm_kernel,
+                          device_type="cpu").write(pieces, positions, slots, scales, ours)
+        ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(theirs))
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+@pytest.mark.parametrize("vllm_kernel", [False, True])
+def test_the_probe_picks_the_rounding_of_the_chain(vllm_kernel):
+    rope = _rope(2, 64, 1.0, vllm_kernel)
+    if vllm_kernel and rope._kernel is None:
+        pytest.skip("vLLM is not installed")
+    writers = [FusedTritonWriter(rope.cos_sin, rope.rotary_dim, round_once, device_type="cpu")
+               for round_once in (False, True)]
+
+    def chain(pieces, positions, slots, scales, caches):
+        ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(caches))
+
+    chosen = first_exact(writers, chain, (2, 2, 64), 16)
+    assert chosen is writers[int(vllm_kernel)]
+    assert first_exact(writers[1 - int(vllm_kernel):2 - int(vllm_kernel)], chain, (2, 2, 64),
+                       16) is None
+
+
+def test_the_triton_writer_refuses_what_it_cannot_take_before_writing():
+    rope = _rope(2, 32, 1.0, False)
+    writer = FusedTritonWriter(rope.cos_sin, rope.rotary_dim, device_type="cpu")
+    gen = torch.Generator().manual_seed(0)
+    pieces, positions, slots, scales, shape = _case(gen, 2, 32, [5, 4], [0, 1], 3, 16, True)
+    caches = _zeros(shape)
+    bad = [(positions, slots.clone().fill_(10_000), "slot"),
+           (positions + 10_000, slots, "position")]
+    for bad_positions, bad_slots, what in bad:
+        with pytest.raises(ValueError, match=what):
+            writer.write(pieces, bad_positions, bad_slots, scales, caches)
+    with pytest.raises(ValueError, match="caches"):
+        writer.write(pieces, positions, slots, scales, caches[:1])
+    assert not any(cache.any() for cache in caches)
+
+
+def test_no_triton_writer_for_host_caches():
+    """Outside the interpreter the writer is for CUDA caches only."""
+    rope = _rope(2, 32, 1.0, False)
+    layers = [(i, SimpleNamespace(impl=SimpleNamespace(kv_cache_dtype="auto"),
+                                  kv_cache=torch.zeros(4, 2, 16, 64, dtype=BF16)))
+              for i in range(2)]
+    assert FusedTritonWriter.for_layers(layers, 2, rope.cos_sin, rope.rotary_dim) == []

@@ -1,0 +1,164 @@
+"""The injection plan verifier and the connector's scheduler-side check under hostile plans."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from cachetools import TTLCache
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hostile import json_values, tried
+from inferscale.contracts.plan import (
+    PLAN_KEY,
+    Plan,
+    PlanError,
+    Segment,
+    _mac,
+    sign,
+    token_digest,
+    verify,
+)
+from inferscale.serving.connector import PRESENT_MAX, PRESENT_TTL_S
+
+SECRET = "s3cret"
+FUZZ = settings(max_examples=400, deadline=None)
+
+
+def _plan() -> Plan:
+    return Plan("f" * 64, [Segment.of("preamble", 0, [1, 2, 3]), Segment.of("7", 3, [4, 5], "c")])
+
+
+def _signed_body(body: object) -> dict:
+    """``body`` signed with the right secret: what only a compromised front end could send."""
+    if not isinstance(body, dict):
+        body = {"segments": body}
+    body = {k: v for k, v in body.items() if k != "sig"}
+    return {**body, "sig": _mac(body, SECRET)}
+
+
+def test_signed_plan_round_trips_and_any_tampering_is_refused():
+    signed = sign(_plan(), SECRET)
+    assert verify(json.loads(json.dumps(signed)), SECRET) == _plan()
+    for key, value in (("fingerprint", "0" * 64), ("segments", []), ("sig", "0" * 64),
+                       ("key_scales", 1.0)):
+        with pytest.raises(PlanError):
+            verify({**signed, key: value}, SECRET)
+    with pytest.raises(PlanError):
+        verify(signed, "another secret")
+
+
+def test_a_segment_matches_exactly_its_own_tokens():
+    segment = Segment.of("7", 3, [4, 5, 70_000])
+    assert segment.end == 6 and segment.matches([4, 5, 70_000])
+    assert segment.matches((4, 5, 70_000))  # any sequence of the same ids
+    for other in ([4, 5], [4, 5, 70_000, 0], [5, 4, 70_000], [4, 5, 70_000 + 2**32], []):
+        assert not segment.matches(other)
+    with pytest.raises(OverflowError):
+        token_digest([2**63])
+
+
+def test_key_scale_strength_is_signed_and_must_be_a_number_in_0_1():
+    for strength in (1.0, 0.25, 0):
+        scaled = Plan("f" * 64, _plan().segments, key_scales=strength)
+        assert verify(json.loads(json.dumps(sign(scaled, SECRET))), SECRET).key_scales == strength
+    body = {k: v for k, v in sign(_plan(), SECRET).items() if k not in ("sig", "key_scales")}
+    assert verify(_signed_body(body), SECRET).key_scales == 0  # absent: not scaled
+    for value in (True, 1.5, -0.1, "0.5", None, [1], float("nan"), float("inf")):
+        with pytest.raises(PlanError, match="key_scales"):
+            verify(_signed_body({**body, "key_scales": value}), SECRET)
+
+
+@FUZZ
+@given(data=json_values | st.dictionaries(st.sampled_from(["sig", "fingerprint", "segments"]),
+                                          json_values))
+def test_unsigned_or_forged_plans_raise_plan_error_only(data):
+    tried("plan verifier")
+    with pytest.raises(PlanError):
+        verify(data, SECRET)
+
+
+segment_like = st.fixed_dictionaries({}, optional={
+    "name": json_values, "start": json_values | st.integers(-3, 10),
+    "length": json_values | st.integers(-2, 6),
+    "digest": json_values | st.lists(st.integers(-2, 2**70), max_size=4).map(
+        lambda ids: token_digest(ids) if all(-2**63 <= t < 2**63 for t in ids) else "x"),
+    "checksum": json_values, "extra": json_values})
+
+
+@FUZZ
+@given(body=st.fixed_dictionaries({}, optional={
+    "fingerprint": json_values, "segments": json_values | st.lists(segment_like, max_size=4),
+    "key_scales": json_values | st.booleans()}))
+def test_signed_malformed_plans_raise_plan_error_or_parse_typed(body):
+    tried("plan verifier")
+    try:
+        plan = verify(_signed_body(body), SECRET)
+    except PlanError:
+        return
+    assert isinstance(plan.fingerprint, str) and type(plan.key_scales) is float
+    assert 0 <= plan.key_scales <= 1
+    for segment in plan.segments:
+        assert isinstance(segment.name, str) and type(segment.start) is int
+        assert type(segment.length) is int and segment.length >= 1
+        assert isinstance(segment.digest, str)
+
+
+@pytest.fixture(scope="module")
+def scheduler_side(tmp_path_factory):
+    """The connector's scheduler half without an engine: only what its plan check uses."""
+    from inferscale.kv.durable import LocalDir
+    from inferscale.kv.store import KVStore
+    from inferscale.serving.connector import InferScaleConnector
+
+    connector = InferScaleConnector.__new__(InferScaleConnector)
+    connector._secret, connector._fingerprint = SECRET, "f" * 64
+    connector._pending, connector._claimed = {}, {}
+    connector._store = KVStore(LocalDir(tmp_path_factory.mktemp("kv")), "f" * 64, host_bytes=0)
+    connector._present = TTLCache(PRESENT_MAX, PRESENT_TTL_S)
+    return connector
+
+
+@FUZZ
+@given(params=json_values | st.fixed_dictionaries({PLAN_KEY: json_values}) | st.builds(
+    lambda body: {PLAN_KEY: _signed_body(body)}, st.fixed_dictionaries({}, optional={
+        "fingerprint": st.just("f" * 64) | json_values,
+        "segments": st.lists(segment_like, max_size=4)})),
+       prompt=st.lists(st.integers(0, 5), max_size=12), computed=st.integers(0, 12))
+def test_hostile_plans_never_claim_and_never_raise(scheduler_side, params, prompt, computed):
+    from inferscale.serving.metrics import KV_METRICS
+
+    tried("connector plan check")
+    errors = KV_METRICS.hook_errors.labels("get_num_new_matched_tokens")._value.get()
+    request = SimpleNamespace(request_id="r", kv_transfer_params=params, prompt_token_ids=prompt)
+    # No blob exists in this store, so no hostile plan may claim a single token.
+    assert scheduler_side.get_num_new_matched_tokens(request, computed) == (0, False)
+    assert scheduler_side.request_finished(request, [])[0] is False
+    assert KV_METRICS.hook_errors.labels("get_num_new_matched_tokens")._value.get() == errors
+
+
+def test_the_plan_check_asks_the_durable_tier_once_per_present_blob(scheduler_side, monkeypatch):
+    """A blob seen once is trusted for PRESENT_TTL_S (no HEAD request per fact per step on S3);
+    a missing one is asked for again, so it is claimed as soon as it is written."""
+    import torch
+
+    store = scheduler_side._store
+    asked: list[str] = []
+    exists = store.durable.exists
+    monkeypatch.setattr(store.durable, "exists", lambda loc: asked.append(loc) or exists(loc))
+    monkeypatch.setattr(scheduler_side, "_present", TTLCache(PRESENT_MAX, PRESENT_TTL_S))
+    plan = Plan("f" * 64, [Segment.of("present-0", 0, [1, 2, 3]),
+                           Segment.of("present-1", 3, [4, 5])])
+    request = SimpleNamespace(request_id="p", kv_transfer_params={PLAN_KEY: sign(plan, SECRET)},
+                              prompt_token_ids=[1, 2, 3, 4, 5, 6])
+    kv = torch.zeros((2, 3, 1, 4), dtype=torch.bfloat16)
+    store.put("present-0", kv, kv.clone(), [1, 2, 3], window=0)
+    assert scheduler_side.get_num_new_matched_tokens(request, 0) == (3, False)
+    assert len(asked) == 2  # present-0 found, present-1 missing
+    assert scheduler_side.get_num_new_matched_tokens(request, 0) == (3, False)
+    assert len(asked) == 3  # only the missing one again
+    store.put("present-1", kv[:, :2], kv[:, :2].clone(), [4, 5], window=0)
+    assert scheduler_side.get_num_new_matched_tokens(request, 0) == (5, False)
+    assert scheduler_side.get_num_new_matched_tokens(request, 0) == (5, False)
+    assert len(asked) == 4
+    scheduler_side._pending.clear()

@@ -1,0 +1,158 @@
+"""Tiered KV store: round trip, corruption, fingerprint, LRU budget, delete."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hostile import tried
+from inferscale.contracts.blob import KVBlob
+from inferscale.contracts.plan import lead_name
+from inferscale.kv.durable import LocalDir
+from inferscale.kv.store import (
+    BlobMissing,
+    ByteLRU,
+    ChecksumMismatch,
+    FingerprintMismatch,
+    KVBlobError,
+    KVStore,
+)
+
+
+def _kv(tokens=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, tokens, 2, 16)
+    return (torch.randn(shape, generator=g).to(torch.bfloat16),
+            torch.randn(shape, generator=g).to(torch.bfloat16))
+
+
+def test_round_trip_and_tiers(tmp_path):
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    k, v = _kv()
+    assert not store.exists("42")
+    stored = store.put("42", k, v, [1, 2, 3, 4, 5], window=5)
+    assert store.exists("42") and not store.exists("43")
+    assert torch.equal(store.load("42", stored.checksum).v, v)  # by name, through the tiers
+    assert (tmp_path / stored.location).exists() and stored.nbytes > k.nbytes + v.nbytes
+    assert not list(tmp_path.rglob("*.tmp"))
+    fresh = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    blob = fresh.get(stored.location, stored.checksum)
+    assert torch.equal(blob.k, k) and torch.equal(blob.v, v) and blob.k.dtype == torch.bfloat16
+    assert blob.token_ids == [1, 2, 3, 4, 5] and blob.window == 5
+    assert stored.location in fresh.host
+    assert fresh.get(stored.location) is blob  # served from the host tier
+
+
+def test_corrupted_blob_raises_checksum_error(tmp_path):
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    stored = store.put("7", *_kv(), [1, 2, 3, 4, 5], window=0)
+    path = tmp_path / stored.location
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatch):
+        KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20).get(stored.location)
+    path.write_bytes(b"garbage")
+    with pytest.raises(ChecksumMismatch):
+        KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20).get(stored.location)
+    with pytest.raises(BlobMissing):
+        store.get("nope/xx/1.safetensors")
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path):
+    made_for_a = KVStore(LocalDir(tmp_path), "a" * 64, host_bytes=1 << 20)
+    stored = made_for_a.put("1", *_kv(), [1] * 5, window=0)
+    with pytest.raises(FingerprintMismatch):
+        KVStore(LocalDir(tmp_path), "b" * 64, host_bytes=1 << 20).get(stored.location)
+
+
+def test_lru_keeps_within_byte_budget():
+    k, v = _kv(tokens=4)
+    blob = KVBlob(k=k, v=v, token_ids=[1] * 4, fingerprint="x", window=0)
+    lru = ByteLRU(budget_bytes=3 * blob.nbytes, tier="host")
+    for i in range(10):
+        lru.put(str(i), blob)
+        assert lru.used <= lru.budget
+        if i == 8:
+            assert lru.get("6") is blob  # refresh 6: 7 becomes the least recently used
+    assert len(lru) == 3 and {"6", "8", "9"} == {k for k in map(str, range(10)) if k in lru}
+
+
+def test_delete_removes_every_tier(tmp_path):
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    stored = store.put("9", *_kv(), [1] * 5, window=0)
+    store.get(stored.location)
+    assert store.delete([stored.location]) == 1
+    assert stored.location not in store.host and not (tmp_path / stored.location).exists()
+
+
+def test_a_lead_blob_lives_and_dies_with_its_fact(tmp_path):
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    fact = store.put("9", *_kv(), [1] * 5, window=2)
+    lead = store.put(lead_name(9), *_kv(), [1] * 5, window=0)
+    other = store.put("19", *_kv(), [1] * 5, window=2)
+    assert lead.location.rsplit("/", 1)[0] == fact.location.rsplit("/", 1)[0]
+    assert sorted(store.fact_blobs()) == sorted([(9, fact.location), (9, lead.location),
+                                                 (19, other.location)])
+    store.get(lead.location)
+    assert store.evict([fact.location]) == 1  # the fact counts once, whichever blob was held
+    assert lead.location not in store.host
+    store.get(lead.location)
+    assert store.delete([fact.location, other.location]) == 3
+    assert lead.location not in store.host and not list(tmp_path.rglob("*.safetensors"))
+    assert store.delete([lead.location]) == 0  # an orphan lead alone: nothing else named
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[
+    HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.binary(min_size=1, max_size=8)),
+                      min_size=1, max_size=4), cut=st.none() | st.integers(0, 10**6))
+def test_damaged_blobs_are_refused_with_a_blob_error_only(tmp_path, edits, cut):
+    """The blob loader under byte edits and truncation: the intact blob or KVBlobError."""
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
+    k = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).reshape(2, 3, 2, 4)
+    stored = store.put("fuzz", k, -k, [5, 6, 7], window=1)
+    path = tmp_path / stored.location
+    raw = bytearray(path.read_bytes())
+    for offset, patch in edits:
+        offset %= len(raw)
+        raw[offset:offset + len(patch)] = patch
+    path.write_bytes(bytes(raw[:cut % (len(raw) + 1)] if cut is not None else raw))
+    tried("KV blob loader")
+    try:
+        blob = store.get(stored.location, stored.checksum)
+    except KVBlobError:
+        return
+    assert torch.equal(blob.k, k) and torch.equal(blob.v, -k) and blob.token_ids == [5, 6, 7]
+
+
+def test_a_rewritten_blob_is_served_only_under_the_checksum_expected(tmp_path):
+    """A fact encoded again keeps its name: a memory copy of the old version never answers a
+    reader that expects the new checksum, and a reader of the old one is refused once the
+    durable blob is the new one."""
+    server = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    worker = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
+    old = worker.put("7", *_kv(seed=1), [1] * 5, window=2)
+    assert torch.equal(server.get(old.location, old.checksum).k, _kv(seed=1)[0])  # held now
+    new = worker.put("7", *_kv(seed=2), [1] * 5, window=2)
+    assert new.location == old.location and new.checksum != old.checksum
+    assert torch.equal(server.load_many(["7"], [new.checksum])[0].k, _kv(seed=2)[0])
+    assert server.host.get(new.location).checksum == new.checksum  # the new copy replaced it
+    assert torch.equal(server.get(new.location).k, _kv(seed=2)[0])  # no expectation: any copy
+    with pytest.raises(ChecksumMismatch):
+        server.get(old.location, old.checksum)
+
+
+def test_a_store_without_host_tier_reuses_page_in_memory(tmp_path):
+    """No host tier: nothing is kept, but a page-in reads into the arena, and the next one
+    reuses the block once the last blob is gone (no fresh memory to fault in per request)."""
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
+    k, v = _kv(tokens=300)
+    stored = store.put("7", k, v, list(range(300)), window=5)
+    first = store.get(stored.location, stored.checksum)
+    assert len(store.host) == 0 and torch.equal(first.k, k)
+    address = first.k.data_ptr()
+    del first
+    again = store.get(stored.location, stored.checksum)
+    assert again.k.data_ptr() == address and torch.equal(again.v, v)
+    assert KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0, arena_bytes=0).arena is None
