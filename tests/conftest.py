@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -81,8 +82,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def base_settings(tmp_path_factory) -> Settings:
-    data_dir = tmp_path_factory.mktemp("inferscale-data")
+def base_settings() -> Settings:
+    # Outside pytest's temporary tree: every new pytest session of this user (another tier, a
+    # developer's run) resets /tmp/pytest-of-<user> to mode 0700, and the embedded Postgres,
+    # which runs as its own user when we are root, then loses its data folder and panics.
+    data_dir = Path(tempfile.mkdtemp(prefix="inferscale-suite-"))
     settings = Settings(data_dir=data_dir, kafka_session_timeout_ms=2000, drain_idle_s=2.0,
                         ingest_poll_ms=200)
     if not EXTERNAL_INFRA:
@@ -95,6 +99,7 @@ def base_settings(tmp_path_factory) -> Settings:
     yield settings
     if not EXTERNAL_INFRA:
         infra.down(settings.model_copy(update={"kafka_bootstrap": None, "database_url": None}))
+    shutil.rmtree(data_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ from inferscale.platform.model_prep import resolve_model_path
 from inferscale.platform.retry import retry_transient
 from inferscale.platform.settings import Settings
 from workers import observe
+from workers.model_thread import ModelCallStuck, ModelThread
 from workers.stage import BatchStage
 
 log = logging.getLogger("inferscale.encode")
@@ -78,12 +79,15 @@ class EncodeWorker(BatchStage):
     batches."""
 
     def __init__(self, settings: Settings, engine: AsyncEngine, encoder: FactEncoder,
-                 store: KVStore, wake: asyncio.Event | None = None, poll_s: float = 1.0):
+                 store: KVStore, wake: asyncio.Event | None = None, poll_s: float = 1.0,
+                 model_thread: ModelThread | None = None):
         super().__init__(wake, poll_s)
         self.settings = settings
         self.engine = engine
         self.encoder = encoder
         self.store = store
+        # Forward passes run here, each watched: past encode_stuck_s the stage dies (see run).
+        self.model_thread = model_thread or ModelThread("encode")
         self.stats = EncodeStats()
         self._preamble_ready = False
         self._next_sweep = 0.0
@@ -112,8 +116,8 @@ class EncodeWorker(BatchStage):
         if self._preamble_ready:
             return
         try:
-            await asyncio.get_running_loop().run_in_executor(None, ensure_preamble, self.encoder,
-                                                             self.store)
+            await self._model_call("preamble encode",
+                                   lambda: ensure_preamble(self.encoder, self.store))
             self._preamble_ready = True
         except OSError as exc:
             log.warning("cannot store the preamble KV: %s", exc)
@@ -150,7 +154,9 @@ class EncodeWorker(BatchStage):
             return 0
         loop = asyncio.get_running_loop()
         with observe.BATCH_SECONDS.labels("encode").time():
-            done, failures = await loop.run_in_executor(None, self._encode_and_store, pending)
+            done, failures = await self._model_call(
+                f"encode of facts {[fact.id for fact in pending]}",
+                lambda: self._encode_and_store(pending))
         if done:
             log.info("wrote KV for %d facts", len(done),
                      extra={"fact_ids": [row["id"] for row in done],
@@ -170,6 +176,16 @@ class EncodeWorker(BatchStage):
         if failures:
             log.warning("encode failed for %d facts: %s", len(failures), failures[0][1])
         return len(pending)
+
+    async def _model_call(self, name: str, call):
+        """``call`` on the model thread; past ``encode_stuck_s`` the stage dies with
+        ``ModelCallStuck`` (logged with the thread's stack, counted, /readyz and /healthz 503)
+        and leaves its claims to run out: another worker encodes those facts."""
+        try:
+            return await self.model_thread.run(name, call, self.settings.encode_stuck_s)
+        except ModelCallStuck:
+            observe.MODEL_CALLS_STUCK.labels("encode").inc()
+            raise
 
     async def _record(self, done: list[dict], failures: list[tuple[PendingFact, str]],
                       users: list[str]) -> list[dict]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import threading
+from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
-
-log = logging.getLogger("inferscale.worker.http")
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 CONSUMED = Counter("inferscale_worker_consumed", "Kafka records consumed")
 TURNS_STORED = Counter("inferscale_worker_turns_stored", "New turns stored")
@@ -22,6 +23,9 @@ DB_RETRIES = Counter("inferscale_worker_db_retries", "Database retries after con
 FACTS_ENCODED = Counter("inferscale_worker_facts_encoded", "Facts encoded to KV")
 FACTS_REENCODED = Counter("inferscale_worker_facts_reencoded",
                           "Of those, early facts encoded again after a wider context (backfill)")
+MODEL_CALLS_STUCK = Counter("inferscale_worker_model_calls_stuck",
+                            "Model calls still running past their deadline (the stage then dies)",
+                            ["stage"])
 ENCODE_FAILURES = Counter("inferscale_worker_encode_failures", "Failed fact encodes")
 BATCH_SECONDS = Histogram("inferscale_worker_batch_seconds", "Ingest/extract/encode batch latency",
                           ["stage"])
@@ -35,40 +39,44 @@ GROUP_STALLED = Gauge("inferscale_worker_group_stalled",
 
 
 class HealthServer:
-    """GET /metrics, /healthz (both stages alive: a liveness probe restarts a worker whose
-    encode stage died), /readyz (consumer assigned and both stages alive)."""
+    """GET /healthz (both stages alive: a liveness probe restarts a worker whose encode stage
+    died), /readyz (consumer assigned and both stages alive), anything else: prometheus_client's
+    own exposition of the metrics. Served by prometheus_client's threaded WSGI server on a
+    daemon thread, so a blocked event loop still answers the probes."""
 
     def __init__(self) -> None:
         self.ready = False
         self.alive = True
-        self._server: asyncio.AbstractServer | None = None
+        self.problem = ""  # why the worker is not alive (a stage's death), in both probes' body
+        self._metrics = make_wsgi_app()
+        self._server: WSGIServer | None = None
+
+    def _app(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path == "/healthz":
+            ok, body = self.alive, "ok" if self.alive else self.problem
+        elif path == "/readyz":
+            ok, body = self.ready, "ready" if self.ready else (self.problem or "not ready")
+        else:
+            return self._metrics(environ, start_response)
+        start_response("200 OK" if ok else "503 Service Unavailable",
+                       [("Content-Type", "text/plain; charset=utf-8")])
+        return [body.encode()]
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
+        self._server = make_server(host, port, self._app, ThreadingWSGIServer,
+                                   handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, name="worker-http",
+                         daemon=True).start()
 
     async def stop(self) -> None:
         if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+            await asyncio.to_thread(self._server.shutdown)
+            self._server.server_close()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), 5)
-            path = request.split()[1].decode() if len(request.split()) > 1 else "/"
-            if path == "/metrics":
-                status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest()
-            elif path == "/healthz":
-                status = 200 if self.alive else 503
-                ctype, body = "text/plain", b"ok" if self.alive else b"encode stage died"
-            elif path == "/readyz":
-                status = 200 if self.ready else 503
-                ctype, body = "text/plain", b"ready" if self.ready else b"not ready"
-            else:
-                status, ctype, body = 404, "text/plain", b"not found"
-            writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: "
-                         f"{len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError, IndexError):
-            pass
-        finally:
-            writer.close()
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr (probes come every few seconds)."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass

@@ -44,9 +44,20 @@ async def _track_ready(health: HealthServer, ingest: IngestWorker,
                        stages: list[asyncio.Task]) -> None:
     """Alive while the extract and encode stages run; ready while the consumer runs too."""
     while True:
-        health.alive = not any(stage.done() for stage in stages)
+        dead = [stage for stage in stages if stage.done()]
+        health.alive = not dead
         health.ready = ingest.ready and health.alive
+        health.problem = "; ".join(f"{stage.get_name()} stage died: {_death_cause(stage)}"
+                                   for stage in dead)
         await asyncio.sleep(0.5)
+
+
+def _death_cause(task: asyncio.Task) -> str:
+    """The first line of what ended a stage's task."""
+    if task.cancelled() or task.exception() is None:
+        return "ended"
+    exc = task.exception()
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _log_death(task: asyncio.Task) -> None:

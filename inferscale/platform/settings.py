@@ -144,6 +144,11 @@ class Settings(BaseSettings):
     # lease, and after encode_max_crashes such deaths the fact is quarantined (served as text).
     encode_lease_s: float = 120.0
     encode_max_crashes: int = 3
+    # A batch's forward pass and writes still running after this long are stuck (a deadlocked
+    # thread pool, a wedged device): the encode stage logs where the model thread is, counts it
+    # (inferscale_worker_model_calls_stuck) and dies, so /readyz and /healthz answer 503 and the
+    # batch's leases run out for another worker. Keep it well above a batch's encode time.
+    encode_stuck_s: float = Field(default=300.0, gt=0, le=86400, allow_inf_nan=False)
     # Every encode stage removes orphan blobs (their fact is gone: a worker died between its
     # write and its check) at start and then this often; each sweep lists the whole tier.
     orphan_sweep_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)

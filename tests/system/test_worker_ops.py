@@ -158,3 +158,63 @@ def test_worker_timing_settings_refuse_bad_values(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError, match=name.removeprefix("INFERSCALE_").lower()):
         Settings()
+
+
+async def test_a_stuck_encode_is_reported_and_its_facts_encoded_by_another_worker(
+        settings, engine, tiny_models, tmp_path, monkeypatch):
+    """A forward pass that never returns (armed: the batch holding this user's facts hangs in
+    the model thread): the stage says so (log with the thread's stack, metric, both probes
+    503 with the reason), and once its lease runs out a second worker encodes the facts."""
+    from sqlalchemy import select
+
+    from inferscale.db.tables import facts
+
+    tag = f"stuck{uuid.uuid4().hex[:6]}"
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic,
+                        [turn(tag, "t0", "Kim", f"My {tag} bike is red."),
+                         turn(tag, "t1", "Kim", f"My {tag} cat is grey.")], progress=False)
+    cfg = settings.model_copy(update={"model_path": tiny_models["llama"], "window": 1,
+                                      "kv_dir": tmp_path / "kv", "encode_stuck_s": 3.0,
+                                      "encode_lease_s": 6.0, "worker_shutdown_s": 2.0})
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+
+    async def kv_locations() -> list[str | None]:
+        async with engine.connect() as conn:
+            rows = await conn.execute(select(facts.c.kv_location).where(facts.c.user_id == tag))
+            return [row.kv_location for row in rows]
+
+    monkeypatch.setenv("INFERSCALE_FAILPOINTS", f"encode.before_forward=hang~{tag}")
+    stuck_log = tmp_path / "stuck.log"
+    with worker_process(cfg.model_copy(update={"worker_http_port": ports[0]}), stuck_log):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[0]}") as client:
+            for _ in range(960):
+                with contextlib.suppress(httpx.HTTPError):
+                    ready = await client.get("/readyz")
+                    if "ModelCallStuck" in ready.text:
+                        break
+                await asyncio.sleep(0.25)
+            else:
+                raise AssertionError(stuck_log.read_text(errors="replace")[-3000:])
+            assert ready.status_code == 503 and "encode stage died" in ready.text
+            alive = await client.get("/healthz")
+            assert alive.status_code == 503 and "ModelCallStuck" in alive.text
+            metrics = (await client.get("/metrics")).text
+            assert 'inferscale_worker_model_calls_stuck_total{stage="encode"} 1.0' in metrics
+        log = stuck_log.read_text(errors="replace")
+        assert "still running after 3 s" in log and "in hit" in log, log[-3000:]  # where it is
+        assert await kv_locations() == [None, None]
+        monkeypatch.delenv("INFERSCALE_FAILPOINTS")
+        with worker_process(cfg.model_copy(update={"worker_http_port": ports[1]}),
+                            tmp_path / "second.log"):
+            for _ in range(720):
+                locations = await kv_locations()
+                if len(locations) == 2 and all(locations):
+                    break
+                await asyncio.sleep(0.25)
+            else:
+                raise AssertionError((tmp_path / "second.log").read_text(errors="replace")[-3000:])
