@@ -137,19 +137,20 @@ class ExtractWorker(BatchStage):
                     vectors: np.ndarray) -> UpdatePlan:
         """ADD everything, or decide each new fact (None: add it unasked) against its user's
         nearest stored facts."""
-        asked = [i for i, f in enumerate(flat) if f is not None]
+        to_ask = {i: f for i, f in enumerate(flat) if f is not None}
+        asked = list(to_ask)
         if self.decide is None or not asked:
             return UpdatePlan(keep=list(range(len(flat))))
         n = self.settings.update_candidates
         stored: list = [None] * len(asked)
         async with self.engine.connect() as conn:
-            for user in dict.fromkeys(flat[i][0].user_id for i in asked):
-                mine = [j for j, i in enumerate(asked) if flat[i][0].user_id == user]
+            for user in dict.fromkeys(to_ask[i][0].user_id for i in asked):
+                mine = [j for j, i in enumerate(asked) if to_ask[i][0].user_id == user]
                 near = await nearest_live_facts(conn, user, [vectors[asked[j]] for j in mine],
                                                 n)
                 for j, facts in zip(mine, near, strict=True):
                     stored[j] = facts
-        drafts = [NewDraft(flat[i][0].user_id, flat[i][2].text,
+        drafts = [NewDraft(to_ask[i][0].user_id, to_ask[i][2].text,
                            np.asarray(vectors[i], dtype=np.float32)) for i in asked]
         loop = asyncio.get_running_loop()
         plan = await loop.run_in_executor(None, plan_updates, drafts, stored, self.decide, n)

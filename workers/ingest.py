@@ -4,9 +4,7 @@ At-least-once: offsets are committed only after the database transaction that st
 has committed; every write is an upsert on a natural key, so redelivery creates no duplicates.
 Malformed messages (and values the database refuses) go to the dead-letter topic with the
 reason in a header; no record can stop the worker. A member left without partitions watches the
-group: records waiting while no member commits for ``group_stall_s`` is reported as a stalled
-group (a coordinator that never finishes its rebalance: tansu 0.6.0 after a clean leave during
-one), and this worker answers not ready until partitions come back.
+group (``group_watch.py``) and answers not ready while the group is stalled.
 """
 
 from __future__ import annotations
@@ -29,12 +27,11 @@ from inferscale.platform import failpoints
 from inferscale.platform.retry import is_transient_db_error, retry_transient
 from inferscale.platform.settings import Settings
 from workers import observe
+from workers.group_watch import GroupWatch
 
 log = logging.getLogger("inferscale.ingest")
 
 TurnRow = tuple[StoredTurn, datetime]  # a turn and its Kafka record time
-OFFSETS_TIMEOUT_S = 10.0  # a look at the group's offsets gives up after this (broker down)
-PROBE_FETCH_MS = 2000  # how long that look waits for a record after the committed offsets
 
 
 @dataclass
@@ -78,12 +75,15 @@ class IngestWorker:
         self.backlog = backlog
         self.stats = IngestStats()
         self.ready = False
-        self.stalled = False
         self._stop = asyncio.Event()
         self._backlog_checked = 0.0
         self._pending = 0  # the encode backlog at the last back-pressure check
-        self._unassigned_since: float | None = None
-        self._watched: dict[TopicPartition, int] | None = None  # committed at the last check
+        self._group = GroupWatch(settings, bootstrap)
+
+    @property
+    def stalled(self) -> bool:
+        """Whether this member sees its group stalled (see ``group_watch.py``)."""
+        return self._group.is_stalled
 
     def request_stop(self) -> None:
         """Finish the current batch, commit, leave the group."""
@@ -105,7 +105,9 @@ class IngestWorker:
                     timeout_ms=s.ingest_poll_ms, max_records=s.ingest_batch_size
                 )
                 records = [r for part in batch.values() for r in part]
-                await self._watch_group(consumer)
+                # Back-pressure may have paused the members holding the waiting records.
+                backlogged = self._pending >= s.max_pending_facts // 2
+                self.ready = not await self._group.stalled(consumer, backlogged)
                 if not records:
                     if drain and consumer.assignment() and not consumer.paused() and (
                         time.monotonic() - idle_since >= s.drain_idle_s
@@ -188,71 +190,6 @@ class IngestWorker:
             consumer.resume(*consumer.paused())
             log.info("encode backlog %d: resuming consumption", pending)
         observe.PAUSED.set(1 if consumer.paused() else 0)
-
-    async def _watch_group(self, consumer: AIOKafkaConsumer) -> None:
-        """Without partitions for ``group_stall_s``, look at the group's committed offsets every
-        ``group_stall_s``: records waiting after offsets that did not move since the last look
-        mean no member consumes them (unless back-pressure may have paused the members that
-        hold them)."""
-        now = time.monotonic()
-        if consumer.assignment():
-            self._unassigned_since, self._watched = None, None
-            if self.stalled:
-                log.info("partitions assigned again: the group is consuming")
-                self._set_stalled(False)
-            return
-        if self._unassigned_since is None:
-            self._unassigned_since = now
-        if now - self._unassigned_since < self.settings.group_stall_s:
-            return
-        self._unassigned_since = now  # the next look after another group_stall_s
-        try:
-            committed, waiting = await asyncio.wait_for(self._group_offsets(consumer),
-                                                        OFFSETS_TIMEOUT_S)
-        except (KafkaError, TimeoutError) as exc:
-            log.warning("cannot read the group's offsets: %r", exc)
-            return
-        previous, self._watched = self._watched, committed
-        backlogged = self._pending >= self.settings.max_pending_facts // 2
-        if waiting and committed == previous and not backlogged:
-            if not self.stalled:
-                log.error("consumer group %r gives this worker no partitions and commits nothing "
-                          "while records wait: a member holding them is stuck, or the "
-                          "coordinator never finished a rebalance (restart the broker if it "
-                          "lasts)", self.settings.consumer_group)
-            self._set_stalled(True)
-        elif self.stalled:
-            log.info("the group commits again, or nothing waits")
-            self._set_stalled(False)
-
-    async def _group_offsets(self, consumer: AIOKafkaConsumer
-                             ) -> tuple[dict[TopicPartition, int], bool]:
-        """The group's committed offset per partition (the log start where none) and whether
-        any record waits after them. A groupless probe fetches from those offsets: tansu 0.6.0's
-        log end offsets cannot tell (1 for a partition holding 29 records)."""
-        topic = self.settings.turns_topic
-        parts = [TopicPartition(topic, p)
-                 for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        starts = await consumer.beginning_offsets(parts)
-        committed = {}
-        for tp in parts:
-            offset = await consumer.committed(tp)
-            committed[tp] = starts[tp] if offset is None else offset
-        probe = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
-        try:
-            await probe.start()
-            probe.assign(parts)
-            for tp, offset in committed.items():
-                probe.seek(tp, offset)
-            fetched = await probe.getmany(timeout_ms=PROBE_FETCH_MS, max_records=1)
-        finally:
-            await probe.stop()
-        return committed, any(fetched.values())
-
-    def _set_stalled(self, stalled: bool) -> None:
-        self.stalled = stalled
-        self.ready = not stalled
-        observe.GROUP_STALLED.set(1 if stalled else 0)
 
     async def _report_lag(self, consumer: AIOKafkaConsumer) -> None:
         for tp in consumer.assignment():

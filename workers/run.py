@@ -7,6 +7,7 @@ import faulthandler
 import logging
 import os
 import signal
+from typing import Any
 
 from inferscale.db.engine import create_engine
 from inferscale.db.queries import count_pending_facts, count_unextracted_turns
@@ -14,7 +15,7 @@ from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.kv.encoder import FactEncoder
 from inferscale.pipeline.embedder import load_embedder
 from inferscale.pipeline.extraction import Extractor, get_extractor
-from inferscale.pipeline.generators import LocalJsonGenerator, OpenAIJsonGenerator
+from inferscale.pipeline.generators import JsonGenerator, LocalJsonGenerator, OpenAIJsonGenerator
 from inferscale.pipeline.invalidation import publish_invalidation
 from inferscale.pipeline.updates import Decide, LLMDecider
 from inferscale.platform.settings import Settings
@@ -31,6 +32,7 @@ def extraction(settings: Settings, encoder: FactEncoder) -> tuple[Extractor, Dec
     ``llm_url`` names, else on the worker's own model (shared with the encoder)."""
     if settings.extractor != "llm":
         return get_extractor(settings.extractor), None
+    generator: JsonGenerator
     if settings.llm_url:
         generator = OpenAIJsonGenerator(settings.llm_url, settings.llm_model,
                                         settings.llm_api_key)
@@ -68,7 +70,8 @@ def _log_death(task: asyncio.Task) -> None:
 
 def _suspended_at(task: asyncio.Task) -> str:
     """Where a task waits: its chain of awaited coroutines, outermost first."""
-    where, coro = [], task.get_coro()
+    where: list[str] = []
+    coro: Any = task.get_coro()  # follows cr_await: coroutines, generators, None
     while coro is not None and getattr(coro, "cr_frame", None) is not None:
         where.append(f"{coro.cr_frame.f_code.co_qualname}:{coro.cr_frame.f_lineno}")
         coro = coro.cr_await

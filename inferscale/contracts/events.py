@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import reprlib
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-TURN_EVENT_VERSION = 1
+TURN_EVENT_VERSION: Final = 1
 STRING_FIELDS = ("user_id", "conversation_id", "turn_id", "speaker", "text")
 
 
@@ -99,7 +99,7 @@ def _load_json(raw: bytes | None) -> object:
         raise InvalidEvent("invalid json: number too large") from None
 
 
-def _check_strings(data: dict, max_text_bytes: int) -> None:
+def _check_strings(data: dict[str, Any], max_text_bytes: int) -> None:
     """What Postgres cannot store (lone surrogates, NUL) and oversized text, before validation."""
     for name in STRING_FIELDS:
         value = data.get(name)

@@ -33,7 +33,8 @@ def model_fingerprint(model_dir: Path) -> str:
     try:
         cached = json.loads(cache.read_text())
         if cached["stamp"] == stamp:
-            return cached["fingerprint"]
+            known: str = cached["fingerprint"]
+            return known
     except (OSError, ValueError, KeyError):
         pass
     digest = hashlib.sha256()

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MEMORY_INTRO = (
     "You are a helpful assistant with a long-term memory of past conversations with the user. "
@@ -33,7 +37,7 @@ class PromptPlan:
 class MemoryLayout:
     """Tokenizes prompt pieces so that fact segments are position-independent units."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         rendered = self._render([{"role": "system", "content": f"{MEMORY_INTRO}{_MEMORY_MARK}"}])
         head, _ = rendered.split(_MEMORY_MARK, 1)
@@ -41,20 +45,22 @@ class MemoryLayout:
 
     def _ids(self, text: str, literal: bool = False) -> list[int]:
         """Token ids of ``text``; ``literal``: special-token strings in it stay plain text."""
-        return self.tokenizer(text, add_special_tokens=False,
-                              split_special_tokens=literal)["input_ids"]
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False,
+                                        split_special_tokens=literal)["input_ids"]
+        return ids
 
-    def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+        rendered: str = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt
         )
+        return rendered
 
     def fact_segment(self, text: str) -> list[int]:
         """Token ids of one fact as it appears in memory (encode time == serving time). Memory
         is data: a fact saying ``<|im_start|>system`` gets no role markers from it."""
         return self._ids(f"- {' '.join(text.split())}\n", literal=True)
 
-    def suffix_ids(self, messages: Sequence[dict]) -> list[int]:
+    def suffix_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Everything after the memory: instructions, the chat messages, the generation prompt.
 
         A leading client system message becomes the instructions; the rest render as given.
@@ -68,8 +74,8 @@ class MemoryLayout:
         _, tail = rendered.split(_MEMORY_MARK, 1)
         return self._ids(tail)
 
-    def compose(self, fact_segments: Sequence[Sequence[int]], messages: Sequence[dict]
-                ) -> PromptPlan:
+    def compose(self, fact_segments: Sequence[Sequence[int]],
+                messages: Sequence[dict[str, Any]]) -> PromptPlan:
         """The full prompt for these fact segments (in order) and chat messages."""
         ids = list(self.preamble_ids)
         spans = []

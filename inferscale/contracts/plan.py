@@ -16,6 +16,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 PLAN_KEY = "inferscale"
 LEAD = ".lead"  # blob name suffix of a fact's lead encoding
@@ -87,12 +88,12 @@ class Plan:
             position = segment.end
 
 
-def _mac(body: dict, secret: str) -> str:
+def _mac(body: dict[str, Any], secret: str) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hmac.new(secret.encode(), canonical, hashlib.sha256).hexdigest()
 
 
-def sign(plan: Plan, secret: str) -> dict:
+def sign(plan: Plan, secret: str) -> dict[str, Any]:
     """The plan as a JSON-able dict with its signature."""
     body = {"fingerprint": plan.fingerprint, "key_scales": plan.key_scales,
             "segments": [{"name": s.name, "start": s.start, "length": s.length,

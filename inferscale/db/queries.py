@@ -16,6 +16,7 @@ from sqlalchemy import (
     func,
     select,
     text,
+    true,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, insert
@@ -173,9 +174,9 @@ async def live_facts(conn: AsyncConnection, user_id: str, fact_ids: Sequence[int
 
 async def count_user_rows(conn: AsyncConnection, user_id: str) -> tuple[int, int]:
     """(turns, facts) stored for one user."""
-    n_turns = await conn.scalar(select(func.count()).where(turns.c.user_id == user_id))
-    n_facts = await conn.scalar(select(func.count()).where(facts.c.user_id == user_id))
-    return int(n_turns), int(n_facts)
+    n_turns = await conn.execute(select(func.count()).where(turns.c.user_id == user_id))
+    n_facts = await conn.execute(select(func.count()).where(facts.c.user_id == user_id))
+    return n_turns.scalar_one(), n_facts.scalar_one()
 
 
 async def lock_users(conn: AsyncConnection, user_ids: Sequence[str], exclusive: bool) -> None:
@@ -432,23 +433,25 @@ async def count_pending_facts(conn: AsyncConnection, max_attempts: int, max_cras
                               user_id: str | None = None) -> int:
     """Facts (of every user, or of ``user_id``) still waiting for their KV (and still to be
     tried, now or after a backoff or a lease); quarantined facts are not."""
-    mine = facts.c.user_id == user_id if user_id is not None else True
-    return int(await conn.scalar(select(func.count()).where(mine,
+    mine = facts.c.user_id == user_id if user_id is not None else true()
+    query = select(func.count()).where(mine,
         facts.c.kv_location.is_(None), facts.c.deleted_at.is_(None),
         facts.c.encode_claims - facts.c.encode_attempts < max_crashes,
         facts.c.encode_error.is_(None) | facts.c.encode_error.not_like(f"{QUARANTINED}:%"),
         (facts.c.encode_attempts < max_attempts)
-        | facts.c.encode_error.like(f"{STORAGE_FAILURE}:%"))))
+        | facts.c.encode_error.like(f"{STORAGE_FAILURE}:%"))
+    return (await conn.execute(query)).scalar_one()
 
 
 async def count_backfill_facts(conn: AsyncConnection, max_crashes: int,
                                user_id: str | None = None) -> int:
     """Facts (of every user, or of ``user_id``) marked for re-encoding and still to be tried."""
-    mine = facts.c.user_id == user_id if user_id is not None else True
-    return int(await conn.scalar(select(func.count()).where(mine,
+    mine = facts.c.user_id == user_id if user_id is not None else true()
+    query = select(func.count()).where(mine,
         facts.c.backfill_due, facts.c.kv_location.is_not(None), facts.c.deleted_at.is_(None),
         facts.c.encode_claims - facts.c.encode_attempts < max_crashes,
-        facts.c.encode_error.is_(None) | facts.c.encode_error.like(f"{STORAGE_FAILURE}:%"))))
+        facts.c.encode_error.is_(None) | facts.c.encode_error.like(f"{STORAGE_FAILURE}:%"))
+    return (await conn.execute(query)).scalar_one()
 
 
 @dataclass(frozen=True)
@@ -613,4 +616,5 @@ async def record_extraction(conn: AsyncConnection, claimed: Sequence[ClaimedTurn
 
 async def count_unextracted_turns(conn: AsyncConnection) -> int:
     """Turns whose facts are not extracted yet."""
-    return int(await conn.scalar(select(func.count()).where(turns.c.extracted_at.is_(None))))
+    query = select(func.count()).where(turns.c.extracted_at.is_(None))
+    return (await conn.execute(query)).scalar_one()

@@ -48,7 +48,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, user: str, question: 
     result = ChatResult(ttft=0.0, total=0.0, text="", headers={})
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()}")
+            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue

@@ -31,9 +31,9 @@ def say(message: str) -> None:
 
 
 async def _publish(settings: Settings, turns) -> None:
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic,
-                                                   settings.dead_letter_topic])
-    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns)
+    bootstrap = infra.resolve_kafka_bootstrap(settings)
+    await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic])
+    await publish_turns(bootstrap, settings.turns_topic, turns)
 
 
 async def _wait(settings: Settings, user: str, n: int) -> float:

@@ -220,7 +220,7 @@ def _stop_pid(pid: int, sig: int = signal.SIGINT, timeout_s: float = 10) -> None
 
 
 def _running(entry: dict | None) -> bool:
-    return bool(entry) and pid_alive(entry.get("pid")) and _port_open(entry["port"])
+    return bool(entry and pid_alive(entry.get("pid")) and _port_open(entry["port"]))
 
 
 def up(settings: Settings, kafka_port: int = 0, postgres_port: int = 0) -> Endpoints:

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
 from inferscale.db import migrate
+from inferscale.db.engine import resolve_database_url
 from inferscale.db.queries import count_backfill_facts, count_pending_facts
 from inferscale.db.tables import turns
 from inferscale.devstack import infra
@@ -30,7 +31,7 @@ def prepare(settings: Settings) -> Settings:
         settings = settings.model_copy(update={
             "kafka_bootstrap": settings.kafka_bootstrap or endpoints.kafka_bootstrap,
             "database_url": settings.database_url or endpoints.database_url})
-    migrate.upgrade(settings.database_url)
+    migrate.upgrade(resolve_database_url(settings))
     return settings.model_copy(update={"model_path": resolve_model_path(settings),
                                        "kv_dir": settings.kv_path})
 
@@ -96,8 +97,8 @@ async def wait_encoded(engine: AsyncEngine, user: str, turns_expected: int,
               disable=not progress) as bar:
         while True:
             async with engine.connect() as conn:
-                extracted = await conn.scalar(select(func.count()).where(
-                    turns.c.user_id == user, turns.c.extracted_at.is_not(None)))
+                extracted = (await conn.execute(select(func.count()).where(
+                    turns.c.user_id == user, turns.c.extracted_at.is_not(None)))).scalar_one()
                 waiting = await count_pending_facts(conn, s.encode_max_attempts,
                                                     s.encode_max_crashes, user)
                 waiting += await count_backfill_facts(conn, s.encode_max_crashes, user)

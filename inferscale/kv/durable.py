@@ -18,7 +18,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy
 
@@ -161,7 +161,8 @@ class LocalDir(Durable):
         try:
             with (self.root / location).open("rb", buffering=0) as f:
                 stat = os.fstat(f.fileno())
-                buffer = memoryview(alloc(stat.st_size))
+                # numpy's stubs declare ndarray.__buffer__ for Python 3.12+ only
+                buffer = memoryview(alloc(stat.st_size))  # type: ignore[arg-type]
                 if f.readinto(buffer) != stat.st_size or f.read(1):
                     raise OSError(errno.EIO, f"{location} changed size while it was read")
                 return buffer, file_version(stat)
@@ -311,7 +312,7 @@ class S3Objects(Durable):
                                          f"deletes failed, first: {errors[0]}")
         return len(present)
 
-    def _pages(self, prefix: str, **kwargs) -> Iterator[dict]:
+    def _pages(self, prefix: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
         with self._errors(prefix):
             yield from self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self.prefix + prefix, **kwargs)

@@ -8,9 +8,10 @@ and after the per-head key norm where the model has one (Qwen3).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +19,9 @@ from inferscale.contracts.layout import MemoryLayout
 from inferscale.contracts.plan import PREAMBLE
 from inferscale.kv.store import KVStore
 from inferscale.platform.settings import Settings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -43,7 +47,7 @@ class EncodedSpan:
     token_ids: list[int]
 
 
-def check_supported(config) -> None:
+def check_supported(config: PreTrainedConfig) -> None:
     """Refuse models whose attention is not plain full attention with RoPE."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -98,15 +102,17 @@ class FactEncoder:
 
     def _register_hooks(self) -> None:
         layers = self.model.model.layers
-        self._captured = [[None, None] for _ in layers]  # type: ignore[list-item]
+        self._captured = [[None, None] for _ in layers]
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             key_source = attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj
             key_source.register_forward_hook(self._hook(i, 0))
             attn.v_proj.register_forward_hook(self._hook(i, 1))
 
-    def _hook(self, layer: int, slot: int):
-        def capture(_module, _inputs, output: torch.Tensor) -> None:
+    def _hook(self, layer: int, slot: int
+              ) -> Callable[[torch.nn.Module, tuple[Any, ...], torch.Tensor], None]:
+        def capture(_module: torch.nn.Module, _inputs: tuple[Any, ...],
+                    output: torch.Tensor) -> None:
             if self._index is None:
                 return
             flat = output.reshape(output.shape[0], output.shape[1], -1)
@@ -117,7 +123,8 @@ class FactEncoder:
 
     @property
     def kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        heads: int = self.config.num_key_value_heads
+        return heads
 
     @property
     def head_dim(self) -> int:
@@ -172,7 +179,9 @@ class FactEncoder:
 
     def encode_preamble(self) -> EncodedSpan:
         """K/V of the preamble itself (BOS + system header + memory intro), at positions 0.."""
-        return self.encode([EncodeItem(prefix_ids=[], span_ids=self.layout.preamble_ids)])[0]
+        item = EncodeItem(prefix_ids=[], span_ids=self.layout.preamble_ids)
+        span: EncodedSpan = self.encode([item])[0]  # encode is untyped: inference_mode
+        return span
 
     def fact_item(self, fact_text: str, context_texts: Sequence[str]) -> EncodeItem:
         """[preamble][context fact segments][fact segment] as the layout renders them."""

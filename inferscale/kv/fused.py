@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from inferscale.kv.chain import to_device
 
+_fused_cpu: ModuleType | None
+_fused_triton: ModuleType | None
 try:
     from inferscale.kv import _fused_cpu
 except ImportError:  # built without a C compiler: the portable path only
@@ -173,6 +176,7 @@ class FusedCpuWriter(_FusedWriter):
         t = self._tables(pieces, positions, slots, scales, caches)
         if t is None:
             return
+        assert _fused_cpu is not None  # writers are used only where the kernel is built
         _fused_cpu.inject(self._layout, t["layers"], t["heads"], t["dim"], self._rotary_dim,
                         t["block_size"], t["tokens"], t["keys"].data_ptr(),
                         t["values"].data_ptr(), t["strides"].data_ptr(),
@@ -237,6 +241,7 @@ class FusedTritonWriter(_FusedWriter):
         scales = packed[ints.numel() * 8:].view(torch.bfloat16) if scaled else positions
         heads, dim, rotary = t["heads"], t["dim"], self._rotary_dim
         stride_block, stride_head, stride_slot = caches[0].stride()[:3]
+        assert _fused_triton is not None  # writers are used only where Triton imports
         _fused_triton.inject_kernel[(tokens, layers)](
             keys, values, strides, positions, slots, self._cos_sin, scales,
             on_device[5 * tokens:], tokens, t["block_size"], stride_block, stride_head,

@@ -10,19 +10,27 @@ rotation is ``apply_rope`` in torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
-def model_head_dim(config) -> int:
+
+def model_head_dim(config: PreTrainedConfig) -> int:
     """Per-head dimension of a HF decoder config."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return dim
 
 
-def _vllm_cos_sin(config, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+def _vllm_cos_sin(config: PreTrainedConfig, max_position: int, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, int]:
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
 
-    def build():
+    def build() -> RotaryEmbedding:
         return get_rope(model_head_dim(config), max_position=max_position, is_neox_style=True,
                         rope_parameters=config.rope_parameters, dtype=dtype)
 
@@ -34,7 +42,8 @@ def _vllm_cos_sin(config, max_position: int, dtype: torch.dtype) -> tuple[torch.
     return rope.cos_sin_cache, rope.rotary_dim
 
 
-def _hf_cos_sin(config, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+def _hf_cos_sin(config: PreTrainedConfig, max_position: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, int]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = config.rope_parameters
@@ -50,7 +59,8 @@ def _hf_cos_sin(config, max_position: int, dtype: torch.dtype) -> tuple[torch.Te
     return cache.to(dtype), 2 * inv_freq.numel()
 
 
-def cos_sin_table(config, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+def cos_sin_table(config: PreTrainedConfig, max_position: int, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, int]:
     """(cos|sin table [max_position, rotary_dim], rotary_dim) for this model, vLLM's if present."""
     try:
         return _vllm_cos_sin(config, max_position, dtype)
@@ -68,20 +78,21 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
-def _vllm_kernel():
+def _vllm_kernel() -> Callable[..., None] | None:
     """vLLM's in-place rotary kernel, or None where vLLM is not installed."""
     try:
         from vllm import _custom_ops
     except ImportError:
         return None
-    return _custom_ops.rotary_embedding
+    kernel: Callable[..., None] = _custom_ops.rotary_embedding
+    return kernel
 
 
 class ChunkedRope:
     """Rotates ``[layers, tokens, kv_heads, head_dim]`` keys for all layers in one call."""
 
-    def __init__(self, config, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 max_position: int | None = None):
+    def __init__(self, config: PreTrainedConfig, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", max_position: int | None = None) -> None:
         max_position = max_position or config.max_position_embeddings
         table, self.rotary_dim = cos_sin_table(config, max_position, dtype)
         self.cos_sin = table.to(device=device, dtype=dtype)

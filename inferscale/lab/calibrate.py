@@ -19,7 +19,9 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,7 +113,7 @@ def fit(encoder, train: Sequence[Example], held_out: Sequence[Example], epochs: 
     rng = random.Random(seed)
     ones = torch.ones(layers)
     none = kls(encoder, held_out, ones)
-    best = {"epoch": 0, "kls": none, "scales": [1.0] * layers}
+    best: dict[str, Any] = {"epoch": 0, "kls": none, "scales": [1.0] * layers}
     history = [{"epoch": 0, "train_kl": statistics.mean(kls(encoder, train, ones)),
                 "held_out_kl": statistics.mean(none)}]
     log(f"epoch 0 (no scaling): train KL {history[0]['train_kl']:.4f}, held out "
@@ -185,7 +187,7 @@ def run(settings, data: Path, out: Path | None, conversations: Sequence[int] = (
         held = max(1, len(at_k) // 5)
         fit_started = time.perf_counter()
         result = fit(encoder, at_k[held:], at_k[:held], epochs, lr, seed,
-                     log=lambda line, k=k: print(f"k={k} {line}", flush=True))
+                     log=partial(print, f"k={k}", flush=True))
         points.append({"facts": k, "scales": result["scales"], "fit": {
             "data": str(data), "conversations": list(conversations), "questions": len(at_k),
             "held_out": held, "window": settings.window, "max_turns": max_turns,

@@ -60,11 +60,11 @@ class Memory:
     def nearest(self, vector: np.ndarray, among: Sequence[int], n: int) -> list[int]:
         """Up to ``n`` of ``among`` nearest to ``vector`` by cosine distance, nearest first, ties
         by id (the order of the server's retrieval and of the worker's neighbour query)."""
-        among = np.asarray(among, dtype=np.int64)
-        if n <= 0 or among.size == 0:
+        ids = np.asarray(among, dtype=np.int64)
+        if n <= 0 or ids.size == 0:
             return []
-        distance = 1.0 - self.vectors[among].astype(np.float64) @ vector.astype(np.float64)
-        return [int(among[j]) for j in np.lexsort((among, distance))[:n]]
+        distance = 1.0 - self.vectors[ids].astype(np.float64) @ vector.astype(np.float64)
+        return [int(ids[j]) for j in np.lexsort((ids, distance))[:n]]
 
     def served(self, query: np.ndarray, k: int, order: str = "relevance") -> list[int]:
         """The top-k facts in prompt order as ``frontend.compose`` lays them out: nearest first
@@ -332,11 +332,11 @@ def compose(encoder: FactEncoder, memory: Memory, question: str, query: np.ndarr
             order: str = "relevance") -> Prompt:
     """The served prompt of ``question``: top-k facts in ``order`` and the chat, token ids as
     the front end composes them."""
-    order = memory.served(query, k, order)
-    plan = encoder.layout.compose([memory.segments[i] for i in order],
+    served = memory.served(query, k, order)
+    plan = encoder.layout.compose([memory.segments[i] for i in served],
                                   [{"role": "user", "content": question}])
     end = plan.fact_spans[-1][1] if plan.fact_spans else plan.preamble_len
-    return Prompt(question, order, plan.token_ids, end, plan.fact_spans)
+    return Prompt(question, served, plan.token_ids, end, plan.fact_spans)
 
 
 def _greedy(model, logits: torch.Tensor, cache, position: int, n: int,
@@ -546,7 +546,7 @@ def _paired(summary: dict, records: list[dict], ci) -> None:
     """Per k, each strategy's KL minus the default's (neighbours@5) per question, with CI; a
     strategy with recompute or key scales also against the same encodings without either
     (``_base``)."""
-    by = defaultdict(dict)
+    by: defaultdict[tuple[int, str], dict[str, float]] = defaultdict(dict)
     for r in records:
         by[(r["k"], r["strategy"])][r["question"]] = r["kl"]
     for entry in summary.values():

@@ -27,6 +27,7 @@ import httpx
 
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
+from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
 from inferscale.lab.bench.common import print_table, write_report
 from inferscale.lab.fidelity import compare
@@ -117,8 +118,9 @@ def _ingest(settings: Settings, samples: list[dict], encoding: tuple[str, int], 
             events.append(t.model_copy(update={"user_id": user, "conversation_id": user}))
 
     async def go() -> None:
-        await ensure_topics(run.kafka_bootstrap, [run.turns_topic, run.dead_letter_topic])
-        await publish_turns(run.kafka_bootstrap, run.turns_topic, events)
+        bootstrap = resolve_kafka_bootstrap(run)
+        await ensure_topics(bootstrap, [run.turns_topic, run.dead_letter_topic])
+        await publish_turns(bootstrap, run.turns_topic, events)
         engine = create_engine(run.database_url)
         try:
             for user in users.values():
@@ -152,9 +154,11 @@ class _Oracle:
         from inferscale.contracts.fingerprint import model_fingerprint
         from inferscale.kv.encoder import load_encoder
         from inferscale.kv.store import KVStore
+        from inferscale.platform.model_prep import resolve_model_path
 
         self.encoder = load_encoder(settings)
-        self.store = KVStore.from_settings(settings, model_fingerprint(settings.model_path), 0)
+        fingerprint = model_fingerprint(resolve_model_path(settings))
+        self.store = KVStore.from_settings(settings, fingerprint, 0)
         self.engine = create_engine(settings.database_url)
         self.tag = uuid.uuid4().hex[:6]
 
@@ -192,6 +196,7 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
             answers: dict[str, dict] = {}
             for config in plan:
                 if config.oracle:
+                    assert oracle is not None  # made where the plan has oracle configurations
                     got = await oracle.answer(client, url, item["question"], config,
                                               answers[config.reference().name], max_tokens)
                 else:
@@ -215,7 +220,7 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
 def summarize(records: list[dict], plan: list[Config]) -> dict:
     """Per configuration: F1, EM, TTFT; inject configurations also vs their text reference."""
     by_config = {c.name: [r for r in records if r["config"] == c.name] for c in plan}
-    summary = {}
+    summary: dict[str, dict] = {}
     for config in plan:
         rows = by_config[config.name]
         entry = {"f1": statistics.mean(r["f1"] for r in rows),

@@ -116,6 +116,7 @@ class Embedder:
         ).astype(np.float32)
 
     def _encode_onnx(self, texts: list[str]) -> np.ndarray:
+        assert self._session is not None  # encode calls this only with a session
         features = self.model.preprocess(texts)
         feed = {name: features[name].numpy() for name in self._inputs}
         features["token_embeddings"] = torch.from_numpy(self._session.run(None, feed)[0])

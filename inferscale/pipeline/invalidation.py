@@ -21,7 +21,7 @@ from inferscale.pipeline.kafka import ensure_topics, make_producer
 
 log = logging.getLogger("inferscale.pipeline.invalidation")
 
-Purge = Callable[[list[str]], Awaitable[None]]
+Purge = Callable[[list[str]], Awaitable[object]]  # what it returns is not used
 
 
 async def publish_invalidation(bootstrap: str, topic: str, user_id: str,

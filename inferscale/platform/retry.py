@@ -40,7 +40,11 @@ async def retry_transient(action: Callable[[], Awaitable[T]],
     ``on_retry(error, delay)`` is called (it may raise to give up), then a backoff sleep that
     ``stop`` cuts short (the next attempt, or ``on_retry``, then sees it set)."""
     def before_sleep(state: RetryCallState) -> None:
-        on_retry(state.outcome.exception(), state.upcoming_sleep)
+        # tenacity sleeps only after an attempt that raised (``retry_if_exception``)
+        assert state.outcome is not None
+        error = state.outcome.exception()
+        assert error is not None
+        on_retry(error, state.upcoming_sleep)
 
     async def sleep(seconds: float) -> None:
         if stop is None:

@@ -213,8 +213,9 @@ def _text(content: object) -> str:
     if isinstance(content, list):
         texts = [part.get("text") for part in content if isinstance(part, dict)
                  and part.get("type") in TEXT_PART_TYPES]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "\n".join(texts)
+        strings = [t for t in texts if isinstance(t, str)]
+        if len(strings) == len(content):  # every part a text part
+            return "\n".join(strings)
     raise FrontendError(400, "memory requests take text content: a string or a list of "
                              "{\"type\": \"text\", \"text\": ...} parts")
 
@@ -261,18 +262,18 @@ async def compose(rt: _Runtime, owner: str, options: MemoryOptions, messages: li
         if f not in injectable:
             M.fallbacks.labels("other_model" if f.kv_location else "not_encoded").inc()
     composing = time.perf_counter()
+    injected_segments = [list(f.token_ids) for f in injectable if f.token_ids]  # every one
     text_segments, prompt = await asyncio.get_running_loop().run_in_executor(
-        None, _layout, rt, [f.text for f in as_text], [list(f.token_ids) for f in injectable],
-        messages)
+        None, _layout, rt, [f.text for f in as_text], injected_segments, messages)
     plan = None
     if mode == "inject":
         plan_segments = [Segment.of(PREAMBLE, 0, rt.layout.preamble_ids)]
         plan_segments += [
-            Segment.of(lead_name(f.id), start, f.token_ids, f.kv_lead_checksum)
+            Segment.of(lead_name(f.id), start, ids, f.kv_lead_checksum)
             if i == 0 and options.lead and f.kv_lead_checksum else
-            Segment.of(str(f.id), start, f.token_ids, f.kv_checksum)
-            for i, (f, (start, _)) in enumerate(zip(injectable, prompt.fact_spans,
-                                                    strict=False))]
+            Segment.of(str(f.id), start, ids, f.kv_checksum)
+            for i, (f, ids, (start, _)) in enumerate(zip(
+                injectable, injected_segments, prompt.fact_spans, strict=False))]
         plan = Plan(rt.fingerprint, plan_segments, options.key_scales)
     injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
     KV_METRICS.stage_seconds.labels("compose").observe(time.perf_counter() - composing)
@@ -360,7 +361,7 @@ class MemoryFrontend:
         self._runtime: _Runtime | None = None
         self._lock = asyncio.Lock()
         # vLLM adds --middleware outside its own --api-key check; run that check first here.
-        tokens = [t for t in (self.settings.vllm_api_keys or [os.environ.get("VLLM_API_KEY")])
+        tokens = [t for t in (self.settings.vllm_api_keys or [os.environ.get("VLLM_API_KEY", "")])
                   if t]
         self._invalidations: asyncio.Task | None = None
         self._authenticated = self._handle

@@ -169,6 +169,7 @@ class OwnerIndex:
             delta = replace(delta, version=-1)
         loop = asyncio.get_running_loop()
         if appending:
+            assert cached is not None  # a delta to append is read only against a cached owner
             return await loop.run_in_executor(None, _append, cached, delta, fetched)
         return await loop.run_in_executor(None, _rebuild, cached, delta, fetched)
 

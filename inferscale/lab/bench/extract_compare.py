@@ -73,7 +73,8 @@ def run(model_path: Path, data: Path, out_dir: Path, turns: int = 40,
 def _updates(facts: list, generator: LocalJsonGenerator, candidates: int) -> dict:
     """One user's LLM facts through the update step, in order (one decision per round)."""
     embedder = load_embedder()
-    vectors = embedder.encode([f.text for f in facts]) if facts else []
+    vectors: np.ndarray | list[np.ndarray] = (embedder.encode([f.text for f in facts])
+                                              if facts else [])
     drafts = [NewDraft("u", f.text, np.asarray(v, dtype=np.float32))
               for f, v in zip(facts, vectors, strict=True)]
     decider = LLMDecider(generator)

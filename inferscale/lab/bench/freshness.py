@@ -15,6 +15,7 @@ from inferscale.contracts.events import TurnEvent
 from inferscale.db.engine import create_engine
 from inferscale.db.tables import facts, turns
 from inferscale.devstack.chat_client import stream_chat
+from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.kafka import ensure_topics, make_producer
@@ -24,7 +25,7 @@ from inferscale.platform.settings import Settings
 async def _fresh(settings: Settings, url: str, n: int, poll_s: float) -> list[dict]:
     user = f"fresh-{uuid.uuid4().hex[:6]}"
     engine = create_engine(settings.database_url)
-    producer = make_producer(settings.kafka_bootstrap)
+    producer = make_producer(resolve_kafka_bootstrap(settings))
     await producer.start()
     results = []
     try:
@@ -89,7 +90,7 @@ def run(settings: Settings, out_dir: Path, n: int = 20, poll_s: float = 0.05) ->
     settings = prepare(settings)
     with worker_process(settings, out_dir / "worker.log"), server_process(
             settings, out_dir / "server.log") as url:
-        asyncio.run(ensure_topics(settings.kafka_bootstrap, [settings.turns_topic]))
+        asyncio.run(ensure_topics(resolve_kafka_bootstrap(settings), [settings.turns_topic]))
         results = asyncio.run(_fresh(settings, url, n, poll_s))
     used = [r["used_as_text_s"] for r in results]
     injected = [r["injected_s"] for r in results if r["injected_s"] is not None]

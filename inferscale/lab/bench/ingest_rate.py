@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 
 from inferscale.db.engine import create_engine
 from inferscale.db.tables import facts, turns
+from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
@@ -23,12 +24,11 @@ async def _one_run(settings: Settings, events, timeout_s: float) -> dict:
     engine = create_engine(settings.database_url)
     users = sorted({e.user_id for e in events})
     try:
-        await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic,
-                                                       settings.dead_letter_topic])
+        bootstrap = resolve_kafka_bootstrap(settings)
+        await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic])
         published = time.time()
         t0 = time.perf_counter()
-        await publish_turns(settings.kafka_bootstrap, settings.turns_topic, events,
-                            progress=False)
+        await publish_turns(bootstrap, settings.turns_topic, events, progress=False)
         stored_at = encoded_at = None
         n_encoded = 0
         while time.perf_counter() - t0 < timeout_s:

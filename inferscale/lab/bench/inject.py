@@ -191,27 +191,27 @@ def run(config: LlamaConfig, out_dir: Path | None, ks: tuple[int, ...] = (20, 50
         block_size: int | None = None) -> dict:
     """Time injections of k facts from each tier (and the model's forward where ``model``);
     returns the report (also written to ``out_dir/inject.json`` where given)."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    block_size = block_size or (16 if device.type == "cuda" else 128)  # vLLM's defaults
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    block_size = block_size or (16 if dev.type == "cuda" else 128)  # vLLM's defaults
     shape = (config.num_hidden_layers, config.num_key_value_heads, model_head_dim(config))
-    rope = ChunkedRope(config, torch.bfloat16, device, max_position=PREAMBLE_TOKENS
+    rope = ChunkedRope(config, torch.bfloat16, dev, max_position=PREAMBLE_TOKENS
                        + max(ks) * TOKENS_PER_FACT + QUESTION_TOKENS)
     forward = None
     if model:
         from transformers import LlamaForCausalLM
 
-        with torch.device(device):
+        with torch.device(dev):
             forward = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         durable = LocalDir(Path(tmp))
-        stores = _stores(durable, device)
+        stores = _stores(durable, dev)
         names = _write_blobs(stores["disk"], shape, max(ks))
         for k in ks:
             tokens = k * TOKENS_PER_FACT
             blocks = -(-(PREAMBLE_TOKENS + tokens) // block_size) + 1
             caches = [torch.zeros(blocks, shape[1], block_size, 2 * shape[2],
-                                  dtype=torch.bfloat16, device=device) for _ in range(shape[0])]
+                                  dtype=torch.bfloat16, device=dev) for _ in range(shape[0])]
             gen = torch.Generator().manual_seed(k)
             positions = torch.arange(PREAMBLE_TOKENS, PREAMBLE_TOKENS + tokens)
             order = torch.randperm(blocks, generator=gen)
@@ -224,7 +224,7 @@ def run(config: LlamaConfig, out_dir: Path | None, ks: tuple[int, ...] = (20, 50
             for tier, store, write in writers:
                 for cache in caches:
                     cache.zero_()
-                samples = [_request(store, write, names[:k], positions, slots, scales, device)
+                samples = [_request(store, write, names[:k], positions, slots, scales, dev)
                            for _ in range(requests + 3)][3:]  # three warm-ups
                 written = _written(caches, slots)
                 reference = written if reference is None else reference
@@ -232,11 +232,11 @@ def run(config: LlamaConfig, out_dir: Path | None, ks: tuple[int, ...] = (20, 50
                              for name in samples[0]}
                 row[tier]["same_bits"] = bool(torch.equal(written, reference))
             if forward is not None:
-                row.update(_model_baseline(config, k, device, requests, forward))
+                row.update(_model_baseline(config, k, dev, requests, forward))
             rows.append(row)
             del caches
-    report = {"device": str(device), "device_name": torch.cuda.get_device_name(device)
-              if device.type == "cuda" else "cpu", "shape": {
+    report = {"device": str(dev), "device_name": torch.cuda.get_device_name(dev)
+              if dev.type == "cuda" else "cpu", "shape": {
                   "layers": shape[0], "kv_heads": shape[1], "head_dim": shape[2],
                   "hidden_size": config.hidden_size}, "block_size": block_size,
               "tokens_per_fact": TOKENS_PER_FACT, "requests": requests, "rows": rows}

@@ -15,11 +15,13 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import text
 
 from inferscale.contracts.events import TurnEvent
 from inferscale.db.engine import create_engine
+from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.lab.bench.throughput import poisson_load
@@ -34,7 +36,7 @@ async def generate_turns(settings: Settings, texts: list[str], prefix: str, user
                          ) -> dict[tuple[str, str], float]:
     """Publish turns round-robin over ``users`` at ``rate`` per second; returns the publish
     wall-clock time of each (user, turn id)."""
-    producer = make_producer(settings.kafka_bootstrap)
+    producer = make_producer(resolve_kafka_bootstrap(settings))
     await producer.start()
     published: dict[tuple[str, str], float] = {}
     began = time.monotonic()
@@ -60,7 +62,8 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
                   duration_s: float, drain_s: float) -> list[dict]:
     prefix = f"load-{uuid.uuid4().hex[:6]}"
     await poisson_load(url, user, questions, "inject", k, query_rate, 5, 0)  # warm-up
-    phases, sent = [], 0
+    phases: list[dict[str, Any]] = []
+    sent = 0
     for rate in rates:
         began = time.time()
         queries = poisson_load(url, user, questions, "inject", k, query_rate, duration_s, 1)

@@ -105,6 +105,7 @@ async def _server_path(rt, user: str, questions: list[str], k: int) -> dict:
         messages = [{"role": "user", "content": question}]
         began = time.perf_counter()
         prompt = await compose(rt, user, MemoryOptions("inject", k), messages, question)
+        assert prompt.plan is not None  # "inject" always plans (the preamble at least)
         sign(prompt.plan, "bench")
         if i >= WARMUP:
             total.append(time.perf_counter() - began)

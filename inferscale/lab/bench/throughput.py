@@ -11,6 +11,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -62,9 +63,10 @@ def run(settings: Settings, data: Path, out_dir: Path,
                                                  duration_s, 1))
                 ok = [t for t in ttfts if t is not None]
                 good = [t for t in ok if t <= ttft_target_s]
-                row = {"rate": rate, "mode": mode, "sent": len(ttfts), "completed": len(ok),
-                       "ttft_p50_s": percentile(ok, 50), "ttft_p90_s": percentile(ok, 90),
-                       "goodput_rps": len(good) / duration_s}
+                row: dict[str, Any] = {
+                    "rate": rate, "mode": mode, "sent": len(ttfts), "completed": len(ok),
+                    "ttft_p50_s": percentile(ok, 50), "ttft_p90_s": percentile(ok, 90),
+                    "goodput_rps": len(good) / duration_s}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if row["goodput_rps"] < rate / 2:

@@ -14,6 +14,7 @@ import httpx
 
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import ChatResult, scrape, stream_chat, totals
+from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.lab.bench.cpu import per_process, thread_times
@@ -152,9 +153,9 @@ def ingest_user(settings: Settings, user: str, turns: list) -> float:
     """Publish the user's turns and wait until every fact is encoded (a worker must run)."""
 
     async def go() -> float:
-        await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic,
-                                                       settings.dead_letter_topic])
-        await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns)
+        bootstrap = resolve_kafka_bootstrap(settings)
+        await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic])
+        await publish_turns(bootstrap, settings.turns_topic, turns)
         engine = create_engine(settings.database_url)
         try:
             return await wait_encoded(engine, user, len(turns), settings)

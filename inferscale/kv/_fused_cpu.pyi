@@ -1,0 +1,3 @@
+def inject(layout: int, layers: int, heads: int, dim: int, rot: int, block_size: int,
+           tokens: int, piece_k: int, piece_v: int, layer_stride: int, slots: int,
+           positions: int, cos_sin: int, scales: int, caches: int, /) -> None: ...
