@@ -8,6 +8,8 @@ suite starts the embedded tansu broker and Postgres, and moto_server where a tes
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -96,10 +98,40 @@ def base_settings() -> Settings:
             "database_url": settings.database_url or endpoints.database_url,
         })
     migrate.upgrade(settings.database_url)
+    SUITE_DATABASE.append(settings.database_url)
     yield settings
+    SUITE_DATABASE.clear()
     if not EXTERNAL_INFRA:
         infra.down(settings.model_copy(update={"kafka_bootstrap": None, "database_url": None}))
     shutil.rmtree(data_dir, ignore_errors=True)
+
+
+SUITE_DATABASE: list[str] = []  # the suite's database URL, once base_settings has one
+
+
+async def _drop_backlog(url: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await conn.execute("DELETE FROM facts WHERE kv_location IS NULL")
+        await conn.execute("UPDATE facts SET backfill_due = false WHERE backfill_due")
+        await conn.execute("DELETE FROM turns WHERE extracted_at IS NULL")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_backlog_between_modules():
+    """Each module leaves no work behind: the shared database's turns waiting for extraction
+    and facts waiting for KV (or a backfill) are removed after it. The suites' drains take
+    every pending item, so a module's leftovers became the next module's work: the 1,900 facts
+    the retrieval tests store without KV, encoded with SmolLM2 by the serving tests' first
+    drain, took 15 minutes on 2 cores and looked like a stuck forward pass (#38)."""
+    yield
+    if SUITE_DATABASE:  # on a thread of its own: this thread's event loop belongs to pytest
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, _drop_backlog(SUITE_DATABASE[0])).result(timeout=120)
 
 
 @pytest.fixture

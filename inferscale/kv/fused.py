@@ -13,7 +13,7 @@ layers at once:
   ``[blocks, heads, block_size, 2 * head_dim]``.
 
 The connector uses a writer only after it wrote the same bits as the portable path on a probe
-(``InferScaleConnector._fused_writer``).
+(``ConnectorWorker.fused_writer``).
 """
 
 from __future__ import annotations

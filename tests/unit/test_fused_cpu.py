@@ -16,7 +16,6 @@ from transformers import LlamaConfig
 from vllm import _custom_ops as ops
 
 from inferscale.kv import fused as kvwrite
-from inferscale.kv.chain import ChainWriter
 from inferscale.kv.fused import LAYOUTS, FusedCpuWriter
 from inferscale.kv.rope import ChunkedRope
 
@@ -161,42 +160,42 @@ def test_caches_not_aligned_to_lines_are_written_alike():
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-def _connector(isa="amx"):
-    from inferscale.serving.connector import _UNDECIDED, InferScaleConnector
+def _worker_half(tmp_path, isa="amx"):
+    from inferscale.kv.durable import LocalDir
+    from inferscale.kv.store import KVStore
+    from inferscale.serving.connector_worker import ConnectorWorker
 
-    connector = InferScaleConnector.__new__(InferScaleConnector)
-    connector._kv_shape, connector._block_size, connector._dtype = (2, 2, 64), 32, BF16
-    connector._rope, connector._writer = _rope(2, 2, 64, 1.0), _UNDECIDED
-    connector._chain = ChainWriter(connector._rope)
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
+    worker = ConnectorWorker(store, _rope(2, 2, 64, 1.0), BF16, (2, 2, 64), 32, None)
     layers = [(i, SimpleNamespace(isa=isa, impl=_CpuImpl(),
                                   kv_cache=torch.zeros(4, 2, 32, 128, dtype=BF16)))
               for i in range(2)]
-    return connector, layers
+    return worker, layers
 
 
 @needs_kernel
 @pytest.mark.parametrize("isa", sorted(LAYOUTS))
-def test_connector_uses_the_writer_that_passes_its_probe(isa):
-    connector, layers = _connector(isa)
-    assert isinstance(connector._fused_writer(layers), FusedCpuWriter)
+def test_connector_uses_the_writer_that_passes_its_probe(isa, tmp_path):
+    worker, layers = _worker_half(tmp_path, isa)
+    assert isinstance(worker.fused_writer(layers), FusedCpuWriter)
 
 
 @needs_kernel
-def test_connector_keeps_the_portable_path_when_the_probe_differs(monkeypatch):
-    connector, layers = _connector("amx")
-    rope = connector._rope
+def test_connector_keeps_the_portable_path_when_the_probe_differs(monkeypatch, tmp_path):
+    worker, layers = _worker_half(tmp_path)
+    rope = worker.rope
     monkeypatch.setattr(FusedCpuWriter, "for_layers", classmethod(  # the other layout's writer
         lambda cls, *_: cls(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim)))
-    assert connector._fused_writer(layers) is None
-    assert connector._fused_writer(layers) is None  # decided once
+    assert worker.fused_writer(layers) is None
+    assert worker.fused_writer(layers) is None  # decided once
 
 
 @needs_kernel
-def test_connector_keeps_the_portable_path_when_the_probe_cannot_run(monkeypatch):
-    connector, layers = _connector("amx")
+def test_connector_keeps_the_portable_path_when_the_probe_cannot_run(monkeypatch, tmp_path):
+    worker, layers = _worker_half(tmp_path)
 
     def broken(*_):
         raise ValueError("fused KV write: broken")
 
     monkeypatch.setattr(FusedCpuWriter, "write", broken)
-    assert connector._fused_writer(layers) is None
+    assert worker.fused_writer(layers) is None
