@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
@@ -80,15 +80,34 @@ class StoredBlob:
     checksum: str
 
 
-class ByteLRU:
-    """Thread-safe LRU bounded by the total bytes of its values."""
+class _CountingLRU(LRUCache[str, KVBlob]):
+    """cachetools' LRU bounded by the values' bytes, counting what it evicts per tier."""
 
-    def __init__(self, budget_bytes: int, tier: str):
-        self.budget = budget_bytes
+    def __init__(self, budget_bytes: int, tier: str) -> None:
+        super().__init__(maxsize=budget_bytes, getsizeof=lambda blob: blob.nbytes)
         self.tier = tier
-        self.used = 0
-        self._items: OrderedDict[str, KVBlob] = OrderedDict()
+
+    def popitem(self) -> tuple[str, KVBlob]:
+        KV_METRICS.evictions.labels(self.tier).inc()
+        return super().popitem()
+
+
+class ByteLRU:
+    """Thread-safe LRU bounded by the total bytes of its values (``used`` <= ``budget``); a
+    value larger than the budget is not kept."""
+
+    def __init__(self, budget_bytes: int, tier: str) -> None:
+        self.tier = tier
+        self._items = _CountingLRU(budget_bytes, tier)
         self._lock = threading.Lock()
+
+    @property
+    def budget(self) -> int:
+        return int(self._items.maxsize)
+
+    @property
+    def used(self) -> int:
+        return int(self._items.currsize)
 
     def get(self, key: str, checksum: str | None = None) -> KVBlob | None:
         """The blob held under ``key`` (with ``checksum``: only if it is that version)."""
@@ -96,8 +115,6 @@ class ByteLRU:
             blob = self._items.get(key)
             if blob is not None and checksum not in (None, blob.checksum):
                 blob = None
-            if blob is not None:
-                self._items.move_to_end(key)
         KV_METRICS.cache_lookups.labels(self.tier, "hit" if blob else "miss").inc()
         return blob
 
@@ -105,19 +122,11 @@ class ByteLRU:
         if blob.nbytes > self.budget:
             return
         with self._lock:
-            if (old := self._items.pop(key, None)) is not None:
-                self.used -= old.nbytes
             self._items[key] = blob
-            self.used += blob.nbytes
-            while self.used > self.budget:
-                _, evicted = self._items.popitem(last=False)
-                self.used -= evicted.nbytes
-                KV_METRICS.evictions.labels(self.tier).inc()
 
     def pop(self, key: str) -> None:
         with self._lock:
-            if (old := self._items.pop(key, None)) is not None:
-                self.used -= old.nbytes
+            self._items.pop(key, None)
 
     def __contains__(self, key: str) -> bool:
         return key in self._items
