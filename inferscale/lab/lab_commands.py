@@ -4,11 +4,11 @@ plugin (entry point group ``inferscale.commands``) so the product never imports 
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from inferscale.devstack.demo import SAMPLE
 from inferscale.platform.settings import Settings
+from inferscale.serving.request_options import STRENGTH
 
 
 def _bench(args: argparse.Namespace, settings: Settings) -> int:
@@ -92,13 +92,11 @@ def _key_scales_choice(raw: str) -> float | None:
     """``--key-scales`` values: on (None: the server's own strength), off (0) or a strength."""
     if raw in ("on", "off"):
         return None if raw == "on" else 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected on, off or a number in [0, 1], got {raw!r}")
-    return value
+    try:  # the strengths a request's "key_scales" takes
+        return STRENGTH.validate_python(float(raw))
+    except ValueError:  # pydantic's ValidationError is one
+        raise argparse.ArgumentTypeError(
+            f"expected on, off or a number in [0, 1], got {raw!r}") from None
 
 
 def _calibrate(args: argparse.Namespace, settings: Settings) -> int:

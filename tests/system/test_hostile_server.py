@@ -176,7 +176,8 @@ def test_refusals_carry_no_memory_headers(served, memory_user):
 
 async def test_text_prompts_are_salted_per_owner(served, memory_user):
     """A text-mode memory prompt's cached blocks serve its owner again, nobody else."""
-    from inferscale.serving.frontend import MemoryOptions, _Runtime, compose
+    from inferscale.serving.compose import MemoryRuntime, compose
+    from inferscale.serving.request_options import MemoryOptions
 
     question = "Where does Ines teach?"
     messages = [{"role": "system", "content": "Answer briefly. " * 150},  # > 2 cache blocks
@@ -184,9 +185,9 @@ async def test_text_prompts_are_salted_per_owner(served, memory_user):
     served.chat(memory_user, question, mode="text", k=2, messages=messages)
     again = served.chat(memory_user, question, mode="text", k=2, messages=messages)
     assert (again.json()["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) > 0
-    rt = _Runtime(served.settings)
+    rt = MemoryRuntime(served.settings)
     try:
-        prompt = await compose(rt, memory_user, MemoryOptions("text", 2), messages, question)
+        prompt = await compose(rt, memory_user, MemoryOptions(mode="text", k=2), messages, question)
     finally:
         await rt.engine.dispose()
     stranger = httpx.post(f"{served.url}/v1/completions", timeout=60, json={

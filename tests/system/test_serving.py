@@ -138,9 +138,10 @@ async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedde
     assert "green" in served.chat(a, question).json()["choices"][0]["message"]["content"].lower()
     assert "purple" in served.chat(b, question).json()["choices"][0]["message"]["content"].lower()
 
-    from inferscale.serving.frontend import MemoryOptions, _Runtime, compose
+    from inferscale.serving.compose import MemoryRuntime, compose
+    from inferscale.serving.request_options import MemoryOptions
 
-    rt = _Runtime(served.settings)
+    rt = MemoryRuntime(served.settings)
     owners: dict[int, str] = {}
     async with engine.connect() as conn:
         for fid, owner in (await conn.execute(select(facts.c.id, facts.c.user_id))).all():
@@ -151,7 +152,7 @@ async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedde
     foreign = 0
     for _ in range(300):
         user = rng.choice(users)
-        prompt = await compose(rt, user, MemoryOptions("inject", rng.choice([1, 5, 20])), [
+        prompt = await compose(rt, user, MemoryOptions(mode="inject", k=rng.choice([1, 5, 20])), [
             {"role": "user", "content": rng.choice(queries)}], rng.choice(queries))
         foreign += sum(owners[int(s.name.removesuffix(LEAD))] != user
                        for s in prompt.plan.segments[1:])
@@ -267,7 +268,7 @@ async def test_memory_encoded_after_start_is_used(served, smol, cfg, engine, emb
 
 def test_bad_requests_get_4xx_with_a_message(served):
     assert served.chat("u", "hi", mode="telepathy").status_code == 400
-    assert "unknown memory mode" in served.chat("u", "hi", mode="x").json()["error"]["message"]
+    assert "mode" in served.chat("u", "hi", mode="x").json()["error"]["message"]
     assert served.chat("u", "hi", k=-1).status_code == 400
     for recompute in (-1, "two", 10**30, [1]):
         refused = served.chat("u", "hi", recompute=recompute)

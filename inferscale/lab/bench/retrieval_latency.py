@@ -23,8 +23,9 @@ from inferscale.db.tables import facts
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.embedder import Embedder, load_embedder
 from inferscale.platform.settings import Settings
-from inferscale.serving.frontend import MemoryOptions, _Runtime, compose
+from inferscale.serving.compose import MemoryRuntime, compose
 from inferscale.serving.owner_index import OwnerIndex
+from inferscale.serving.request_options import MemoryOptions
 
 # (facts per user, owners): the measured owner and others with as many facts each.
 SCENARIOS = ((1_000, 2), (10_000, 2), (1_000, 20))
@@ -104,7 +105,7 @@ async def _server_path(rt, user: str, questions: list[str], k: int) -> dict:
     for i, question in enumerate(questions):
         messages = [{"role": "user", "content": question}]
         began = time.perf_counter()
-        prompt = await compose(rt, user, MemoryOptions("inject", k), messages, question)
+        prompt = await compose(rt, user, MemoryOptions(mode="inject", k=k), messages, question)
         assert prompt.plan is not None  # "inject" always plans (the preamble at least)
         sign(prompt.plan, "bench")
         if i >= WARMUP:
@@ -136,7 +137,7 @@ async def _run(settings: Settings, questions: list[str], ks: tuple[int, ...]) ->
     embed = {"onnx": _ms(_timed(lambda q: fast.encode([q]), questions)),
              "torch": _ms(_timed(lambda q: slow.encode([q]), questions))}
     vectors = fast.encode(questions)
-    rt = _Runtime(settings)  # the front end's own state: tokenizer, model fingerprint, index
+    rt = MemoryRuntime(settings)  # the front end's own state: tokenizer, model fingerprint, index
     engine = rt.engine
     rng, searches, loads = np.random.default_rng(0), [], []
     try:

@@ -1,0 +1,142 @@
+"""Composing a memory prompt: retrieve the owner's top-k facts and lay out the token ids
+``[preamble][injected facts][text facts][chat]`` with the signed injection plan for the facts
+whose KV can be injected (best fact last, or in stored order; the last ``recompute`` facts and
+any fact without usable KV as text)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from inferscale.contracts.layout import PromptPlan
+from inferscale.contracts.plan import PREAMBLE, Plan, Segment, lead_name
+from inferscale.platform.settings import Settings
+from inferscale.serving.guards import FrontendError
+from inferscale.serving.metrics import FRONTEND_METRICS as M
+from inferscale.serving.metrics import KV_METRICS
+from inferscale.serving.request_options import MemoryOptions
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PART_TYPES = ("text", "input_text")
+
+
+@dataclass
+class MemoryPrompt:
+    """What the front end decided for one request."""
+
+    token_ids: list[int]
+    fact_ids: list[int]  # prompt order: injected facts, then text facts
+    plan: Plan | None
+    facts_injected: int
+    facts_text: int
+    injected_tokens: int
+    text_memory_tokens: int
+    retrieval_ms: float
+
+
+class MemoryRuntime:
+    """Per-process state, created on the first memory request (inside the server's loop)."""
+
+    def __init__(self, settings: Settings):
+        from transformers import AutoTokenizer
+
+        from inferscale.contracts.fingerprint import model_fingerprint
+        from inferscale.contracts.layout import MemoryLayout
+        from inferscale.db.engine import create_engine
+        from inferscale.kv.store import KVStore
+        from inferscale.pipeline.embedder import load_embedder
+        from inferscale.platform.model_prep import resolve_model_path
+        from inferscale.serving.owner_index import OwnerIndex
+
+        model_path = resolve_model_path(settings)
+        self.settings = settings
+        self.layout = MemoryLayout(AutoTokenizer.from_pretrained(model_path))
+        self.fingerprint = model_fingerprint(model_path)
+        self.embedder = load_embedder(settings)
+        self.engine = create_engine(settings=settings)
+        self.index = OwnerIndex(self.engine, settings.retrieval_index_bytes)
+        self.store = KVStore.from_settings(settings, self.fingerprint, host_bytes=0)
+
+
+def _text(content: object) -> str:
+    """OpenAI message content (a string, text parts or null) as one string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict)
+                 and part.get("type") in TEXT_PART_TYPES]
+        strings = [t for t in texts if isinstance(t, str)]
+        if len(strings) == len(content):  # every part a text part
+            return "\n".join(strings)
+    raise FrontendError(400, "memory requests take text content: a string or a list of "
+                             "{\"type\": \"text\", \"text\": ...} parts")
+
+
+def chat_messages(data: dict) -> tuple[list[dict], str]:
+    """The chat as plain ``{"role", "content"}`` messages (developer = system) and the question."""
+    raw = data.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise FrontendError(400, "'messages' must be a non-empty list")
+    messages = []
+    for m in raw:
+        if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
+            raise FrontendError(400, f"each message needs a role in {MESSAGE_ROLES}")
+        role = "system" if m["role"] == "developer" else m["role"]
+        messages.append({"role": role, "content": _text(m.get("content"))})
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+        raise FrontendError(400, "no user message to answer")
+    return messages, users[-1]
+
+
+async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, messages: list[dict],
+                  query: str) -> MemoryPrompt:
+    """Retrieve the owner's facts and lay out the prompt: best fact last, as the paper does, or
+    in stored (conversation) order. Injected facts come first (external KV is a prefix); the
+    last ``options.recompute`` facts and any fact without usable KV follow as text, in order."""
+    from inferscale.serving.retrieval import retrieve
+
+    mode = options.mode
+    started = time.perf_counter()
+    facts = ([] if mode == "none" else
+             await retrieve(rt.index, rt.embedder, owner, query, options.k))
+    retrieval_ms = (time.perf_counter() - started) * 1000
+    M.retrieval_seconds.observe(retrieval_ms / 1000)
+    if options.order == "time":
+        facts.sort(key=lambda f: f.id)
+    else:
+        facts.reverse()
+    head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
+    injectable = [f for f in head if f.kv_location and f.token_ids
+                  and f.model_fingerprint == rt.fingerprint]
+    as_text = [f for f in facts if f not in injectable]
+    for f in head:
+        if f not in injectable:
+            M.fallbacks.labels("other_model" if f.kv_location else "not_encoded").inc()
+    composing = time.perf_counter()
+    injected_segments = [list(f.token_ids) for f in injectable if f.token_ids]  # every one
+    text_segments, prompt = await asyncio.get_running_loop().run_in_executor(
+        None, _layout, rt, [f.text for f in as_text], injected_segments, messages)
+    plan = None
+    if mode == "inject":
+        plan_segments = [Segment.of(PREAMBLE, 0, rt.layout.preamble_ids)]
+        plan_segments += [
+            Segment.of(lead_name(f.id), start, ids, f.kv_lead_checksum)
+            if i == 0 and options.lead and f.kv_lead_checksum else
+            Segment.of(str(f.id), start, ids, f.kv_checksum)
+            for i, (f, ids, (start, _)) in enumerate(zip(
+                injectable, injected_segments, prompt.fact_spans, strict=False))]
+        plan = Plan(rt.fingerprint, plan_segments, options.key_scales)
+    injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
+    KV_METRICS.stage_seconds.labels("compose").observe(time.perf_counter() - composing)
+    fact_ids = [f.id for f in injectable + as_text]
+    return MemoryPrompt(prompt.token_ids, fact_ids, plan, len(injectable), len(as_text), injected,
+                        sum(map(len, text_segments)), retrieval_ms)
+
+
+def _layout(rt: MemoryRuntime, texts: list[str], injected: list[list[int]], messages: list[dict]
+            ) -> tuple[list[list[int]], PromptPlan]:
+    """Tokenise the text facts and the chat (blocking: runs in an executor)."""
+    text_segments = [rt.layout.fact_segment(text) for text in texts]
+    return text_segments, rt.layout.compose(injected + text_segments, messages)

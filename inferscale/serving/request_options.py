@@ -1,0 +1,82 @@
+"""Per-request memory options: one pydantic model, read from the body's ``"inferscale"``
+object, else the ``X-InferScale-*`` headers, else the server's settings.
+
+``mode``: ``inject`` (KV), ``text`` (the same facts prefilled as text) or ``none``; ``k``: facts
+retrieved; ``recompute``: the best m facts prefilled after the injected ones; ``order``:
+``relevance`` (best last) or ``time`` (stored order); ``lead``: the first injected fact uses its
+lead encoding where it has one; ``key_scales``: how strongly the connector applies its key
+scales, true / false or a strength in [0, 1]. The lab's CLI parses strengths with the same
+type (``STRENGTH``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+
+from inferscale.platform.settings import Settings
+from inferscale.serving.guards import FrontendError
+
+MAX_K = 200
+HEADERS = {"mode": "x-inferscale-memory", "k": "x-inferscale-k",
+           "recompute": "x-inferscale-recompute", "order": "x-inferscale-order",
+           "lead": "x-inferscale-lead", "key_scales": "x-inferscale-key-scales"}
+
+
+def _strength(raw: object) -> object:
+    """true / false (a header's text too) as 1 / 0; anything else is left to the float check."""
+    if isinstance(raw, bool):
+        return float(raw)
+    if isinstance(raw, str) and raw.lower() in ("true", "false"):
+        return 1.0 if raw.lower() == "true" else 0.0
+    return raw
+
+
+Strength = Annotated[float, BeforeValidator(_strength),
+                     Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+STRENGTH: TypeAdapter[float] = TypeAdapter(Strength)
+Count = Annotated[int, Field(ge=0, le=MAX_K)]
+
+
+class MemoryOptions(BaseModel):
+    """Per-request memory choices (see the module's docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["inject", "text", "none"]
+    k: Count
+    recompute: Count = 0
+    order: Literal["relevance", "time"] = "relevance"
+    lead: bool = True
+    key_scales: Strength = 1.0
+
+
+def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
+                      ) -> tuple[str | None, MemoryOptions]:
+    """The memory owner (``user`` or ``X-InferScale-User``; None: no memory) and the options
+    (the body's ``"inferscale"`` object is removed from ``data``); 400 for anything invalid."""
+    owner = headers.get("x-inferscale-user") or data.get("user")
+    if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
+        raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
+    given = data.pop("inferscale", None) or {}
+    if not isinstance(given, dict):
+        raise FrontendError(400, "'inferscale' must be an object like {\"mode\": \"inject\"}")
+    defaults = {"mode": settings.memory_mode, "k": settings.top_k,
+                "recompute": settings.recompute_tail, "order": settings.fact_order,
+                "lead": settings.lead_encoding,
+                "key_scales": settings.key_scale_strength if settings.key_scales != "off"
+                else 0.0}
+    raw = {name: given[name] if given.get(name) is not None else headers.get(header,
+                                                                           defaults[name])
+           for name, header in HEADERS.items()}
+    unknown = sorted(map(str, set(given) - set(HEADERS)))
+    if unknown:
+        raise FrontendError(400, f"unknown memory options {unknown}; known: {sorted(HEADERS)}")
+    try:
+        return owner, MemoryOptions.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = ".".join(map(str, error["loc"])) or "options"
+        raise FrontendError(400, f"invalid memory option {name!r}: {error['msg']} "
+                                 f"(got {str(error.get('input'))[:40]!r})") from None

@@ -1,0 +1,72 @@
+"""Per-request memory options: body over headers over settings, and anything else a 400 that
+names the option."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hostile import json_values, tried
+from inferscale.platform.settings import Settings
+from inferscale.serving.guards import FrontendError
+from inferscale.serving.request_options import MAX_K, MemoryOptions, owner_and_options
+
+SERVER = Settings(top_k=7, recompute_tail=1, fact_order="time", lead_encoding=False,
+                  key_scale_strength=0.5)
+
+
+def test_settings_then_headers_then_the_body_decide():
+    owner, options = owner_and_options({"user": "ana"}, {}, SERVER)
+    assert owner == "ana" and options == MemoryOptions(mode="inject", k=7, recompute=1,
+                                                       order="time", lead=False, key_scales=0.5)
+    headers = {"x-inferscale-k": "3", "x-inferscale-memory": "text",
+               "x-inferscale-lead": "true", "x-inferscale-key-scales": "false"}
+    _, options = owner_and_options({"user": "ana"}, headers, SERVER)
+    assert (options.k, options.mode, options.lead, options.key_scales) == (3, "text", True, 0.0)
+    body = {"user": "ana", "inferscale": {"k": 5, "mode": "none", "key_scales": 0.25,
+                                          "order": None}}
+    _, options = owner_and_options(body, headers, SERVER)
+    assert (options.k, options.mode, options.key_scales, options.order) == (5, "none", 0.25,
+                                                                           "time")
+    assert "inferscale" not in body  # the options never reach vLLM
+
+
+def test_no_owner_means_no_memory_and_key_scales_off_means_zero():
+    owner, options = owner_and_options({}, {}, Settings(key_scales="off"))
+    assert owner is None and options.key_scales == 0.0
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    ({"mode": "telepathy"}, "mode"), ({"k": -1}, "k"), ({"k": MAX_K + 1}, "k"),
+    ({"k": "two"}, "k"), ({"recompute": 10**30}, "recompute"), ({"recompute": [1]}, "recompute"),
+    ({"order": "random"}, "order"), ({"lead": "maybe"}, "lead"),
+    ({"key_scales": 1.5}, "key_scales"), ({"key_scales": "nan"}, "key_scales"),
+    ({"key_scales": float("inf")}, "key_scales"),
+    ({"colour": "red"}, "colour")])
+def test_bad_options_are_a_400_naming_the_option(given, named):
+    with pytest.raises(FrontendError) as refused:
+        owner_and_options({"user": "ana", "inferscale": given}, {}, SERVER)
+    assert refused.value.status == 400 and named in refused.value.message
+
+
+@pytest.mark.parametrize("owner", ["", "x" * 257, 5, ["ana"], {"id": "ana"}])
+def test_a_bad_owner_is_a_400(owner):
+    with pytest.raises(FrontendError) as refused:
+        owner_and_options({"user": owner}, {}, SERVER)
+    assert refused.value.status == 400
+
+
+@settings(max_examples=300, deadline=None)
+@given(options=json_values | st.dictionaries(
+    st.sampled_from(["mode", "k", "recompute", "order", "lead", "key_scales"]), json_values),
+       headers=st.dictionaries(st.sampled_from(["x-inferscale-k", "x-inferscale-lead",
+                                                "x-inferscale-key-scales", "x-inferscale-user"]),
+                               st.text(max_size=12)))
+def test_hostile_options_are_read_or_refused_with_a_400(options, headers):
+    tried("front end: memory options")
+    try:
+        _, read = owner_and_options({"user": "ana", "inferscale": options}, headers, SERVER)
+    except FrontendError as exc:
+        assert exc.status == 400
+    else:
+        assert 0 <= read.k <= MAX_K and 0 <= read.recompute <= MAX_K
+        assert 0.0 <= read.key_scales <= 1.0
