@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.contracts.plan import lead_name
-from inferscale.db.queries import (
+from inferscale.db.encode_queue import (
     STORAGE_FAILURE,
     PendingFact,
     claim_backfill_facts,

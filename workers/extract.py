@@ -18,13 +18,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale.db.queries import (
+from inferscale.db.extract_queue import (
     ClaimedTurn,
-    NewFact,
     claim_unextracted_turns,
     nearest_live_facts,
     record_extraction,
 )
+from inferscale.db.turns import NewFact
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.embedder import Embedder
 from inferscale.pipeline.extraction import Draft, Extractor, TurnExtractor, TurnInContext

@@ -21,7 +21,7 @@ from aiokafka.errors import KafkaConnectionError, KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale.contracts.events import InvalidEvent, TurnEvent, parse_record
-from inferscale.db.queries import StoredTurn, lock_users, tombstones, upsert_turns
+from inferscale.db.turns import StoredTurn, lock_users, tombstones, upsert_turns
 from inferscale.pipeline.kafka import ensure_topics, make_producer
 from inferscale.platform import failpoints
 from inferscale.platform.retry import is_transient_db_error, retry_transient

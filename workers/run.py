@@ -9,8 +9,9 @@ import os
 import signal
 from typing import Any
 
+from inferscale.db.encode_queue import count_pending_facts
 from inferscale.db.engine import create_engine
-from inferscale.db.queries import count_pending_facts, count_unextracted_turns
+from inferscale.db.extract_queue import count_unextracted_turns
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.kv.encoder import FactEncoder
 from inferscale.pipeline.embedder import load_embedder

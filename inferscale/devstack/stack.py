@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
 from inferscale.db import migrate
+from inferscale.db.encode_queue import count_backfill_facts, count_pending_facts
 from inferscale.db.engine import resolve_database_url
-from inferscale.db.queries import count_backfill_facts, count_pending_facts
 from inferscale.db.tables import turns
 from inferscale.devstack import infra
 from inferscale.platform.model_prep import resolve_model_path

@@ -13,7 +13,7 @@ import asyncio
 from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale.db.queries import record_encoded
+from inferscale.db.encode_queue import record_encoded
 from inferscale.db.tables import facts
 from inferscale.kv.encoder import EncodeItem, FactEncoder
 from inferscale.kv.store import KVStore

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale.db.queries import delete_user, existing_fact_ids
+from inferscale.db.deletion import delete_user, existing_fact_ids
 from inferscale.kv.store import KVStore
 
 

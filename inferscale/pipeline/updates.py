@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from inferscale.db.queries import Retirement, StoredFact
+from inferscale.db.extract_queue import Retirement, StoredFact
 from inferscale.pipeline.generators import JsonGenerator
 
 Action = Literal["ADD", "UPDATE", "DELETE", "NONE"]

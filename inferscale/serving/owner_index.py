@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from inferscale.db.queries import (
+from inferscale.db.reads import (
     MemoryDelta,
     RetrievedFact,
     fact_embeddings,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from inferscale.db.queries import RetrievedFact
+from inferscale.db.reads import RetrievedFact
 from inferscale.pipeline.embedder import Embedder
 from inferscale.serving.owner_index import OwnerIndex
 

@@ -15,18 +15,18 @@ from sqlalchemy import select
 from helpers import extract_all, sample_turns, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.contracts.plan import lead_name
-from inferscale.db.queries import (
+from inferscale.db.encode_queue import (
     PendingFact,
     claim_backfill_facts,
     claim_pending_facts,
     count_backfill_facts,
     count_pending_facts,
-    count_user_rows,
     mark_backfill_due,
     quarantine_crashed_facts,
     record_encode_failure,
 )
 from inferscale.db.tables import facts
+from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import worker_process
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder

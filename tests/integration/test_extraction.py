@@ -12,8 +12,9 @@ import pytest
 from sqlalchemy import select
 
 from helpers import extract_all, turn
-from inferscale.db.queries import StoredFact, count_user_rows
+from inferscale.db.extract_queue import StoredFact
 from inferscale.db.tables import facts, turns
+from inferscale.db.turns import count_user_rows
 from inferscale.pipeline.extraction import LLMExtractor, TurnExtractor, TurnInContext, get_extractor
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
 from inferscale.pipeline.updates import Decision, LLMDecider, NewDraft, plan_updates

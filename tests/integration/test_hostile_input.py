@@ -14,8 +14,8 @@ from sqlalchemy import select, tuple_
 from helpers import extract_all, read_topic, turn
 from hostile import record_keys, record_values, samples, tried, valid_events
 from inferscale.contracts.events import InvalidEvent, TurnEvent, parse_record
-from inferscale.db.queries import count_user_rows
 from inferscale.db.tables import turns
+from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import worker_process
 from inferscale.pipeline.kafka import ensure_topics, make_producer
 from workers import ingest

@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import func, select
 
 from helpers import extract_all, read_topic, sample_turns
-from inferscale.db.queries import count_user_rows
 from inferscale.db.tables import facts
+from inferscale.db.turns import count_user_rows
 from inferscale.pipeline.kafka import ensure_topics, make_producer, publish_turns
 from inferscale.platform.settings import Settings
 from workers.ingest import IngestWorker

@@ -10,8 +10,8 @@ from sqlalchemy import select, update
 
 from helpers import ingest_and_encode, sample_turns, turn
 from inferscale.contracts.plan import LEAD
-from inferscale.db.queries import count_user_rows
 from inferscale.db.tables import facts
+from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import wait_encoded, worker_process
 from inferscale.kv import fused as kvwrite
 from inferscale.kv.durable import LocalDir

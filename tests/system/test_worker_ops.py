@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from helpers import sample_turns, turn
-from inferscale.db.queries import count_user_rows
+from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import worker_process
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
 from inferscale.platform.settings import Settings

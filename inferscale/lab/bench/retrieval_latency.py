@@ -18,8 +18,9 @@ import numpy as np
 from sqlalchemy import delete, text, update
 
 from inferscale.contracts.plan import sign
-from inferscale.db.queries import NewFact, top_k_facts, upsert_facts
+from inferscale.db.reads import top_k_facts
 from inferscale.db.tables import facts
+from inferscale.db.turns import NewFact, upsert_facts
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.embedder import Embedder, load_embedder
 from inferscale.platform.settings import Settings

@@ -1,0 +1,98 @@
+"""The server's reads: a user's memory version, its facts' embeddings and changes since a fact id,
+the live rows of retrieved facts (and the exact pgvector top-k the index replaced). All SQL is
+parameterized."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    select,
+    text,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from inferscale.db.tables import facts, memory_versions
+
+
+@dataclass(frozen=True)
+class RetrievedFact:
+    """One retrieval hit. ``kv_location`` is None while the fact is not encoded."""
+
+    id: int
+    text: str
+    distance: float
+    token_ids: list[int] | None
+    kv_location: str | None
+    kv_checksum: str | None
+    kv_lead_checksum: str | None  # None: no lead blob (encoded without one)
+    model_fingerprint: str | None
+
+async def memory_version(conn: AsyncConnection, user_id: str) -> tuple[int, int]:
+    """(the owner's memory version, about how many live facts they have); any change to which
+    facts are live bumps the version (migration 0008); (0, 0): never had a fact."""
+    row = (await conn.execute(select(
+        memory_versions.c.version, memory_versions.c.inserted - memory_versions.c.retired)
+        .where(memory_versions.c.user_id == user_id))).first()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
+
+async def top_k_facts(conn: AsyncConnection, user_id: str, query_embedding: Sequence[float],
+                      k: int) -> list[RetrievedFact]:
+    """The owner's k live facts nearest to the query, ranked by pgvector (exact: the owner's
+    rows through ix_facts_user): for owners too large for a server's in-process index."""
+    distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
+    stmt = (select(facts.c.id, facts.c.text, distance, facts.c.token_ids, facts.c.kv_location,
+                   facts.c.kv_checksum, facts.c.kv_lead_checksum, facts.c.model_fingerprint)
+            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None))
+            .order_by(distance, facts.c.id).limit(k))
+    return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
+
+@dataclass(frozen=True)
+class MemoryDelta:
+    """An owner's memory counters and the ids of their live facts above some id, read in one
+    snapshot."""
+
+    version: int
+    inserted: int  # facts ever stored
+    retired: int  # facts ever deleted, retired or revived
+    ids: list[int]
+
+_MEMORY_DELTA = text("""
+    SELECT coalesce(m.version, 0) AS version, coalesce(m.inserted, 0) AS inserted,
+           coalesce(m.retired, 0) AS retired,
+           array(SELECT id FROM facts WHERE user_id = :user AND id > :after
+                 AND deleted_at IS NULL ORDER BY id) AS ids
+    FROM (SELECT 1) one LEFT JOIN memory_versions m ON m.user_id = :user
+""")
+
+async def memory_delta(conn: AsyncConnection, user_id: str, after_id: int) -> MemoryDelta:
+    """The owner's memory counters and live fact ids above ``after_id`` (0: all of them)."""
+    row = (await conn.execute(_MEMORY_DELTA, {"user": user_id, "after": after_id})).one()
+    return MemoryDelta(int(row.version), int(row.inserted), int(row.retired), list(row.ids))
+
+async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
+                          ) -> list[tuple[int, bytes]]:
+    """(id, embedding in pgvector's binary format) of these facts, in id order."""
+    rows = await conn.execute(text(
+        "SELECT id, vector_send(embedding) AS embedding FROM facts "
+        "WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id"), {"ids": list(fact_ids)})
+    return [(r.id, bytes(r.embedding)) for r in rows]
+
+_LIVE_FACTS = text("""
+    SELECT coalesce(m.version, 0) AS version, f.id, f.text, f.token_ids, f.kv_location,
+           f.kv_checksum, f.kv_lead_checksum, f.model_fingerprint
+    FROM (SELECT 1) one
+    LEFT JOIN memory_versions m ON m.user_id = :user
+    LEFT JOIN facts f ON f.id = ANY(CAST(:ids AS bigint[])) AND f.user_id = :user
+        AND f.deleted_at IS NULL
+""")
+
+async def live_facts(conn: AsyncConnection, user_id: str, fact_ids: Sequence[int]
+                     ) -> tuple[int, dict[int, dict]]:
+    """(the owner's memory version, their live facts among ``fact_ids`` as RetrievedFact fields
+    less distance), read in one snapshot."""
+    rows = (await conn.execute(_LIVE_FACTS, {"user": user_id, "ids": list(fact_ids)})).all()
+    found = {row.id: {k: v for k, v in row._mapping.items() if k != "version"}
+             for row in rows if row.id is not None}
+    return int(rows[0].version), found
