@@ -104,6 +104,11 @@ class Embedder:
                             export, exc_info=True)
                 export.unlink(missing_ok=True)  # a damaged export is made again next time
 
+    @property
+    def query_path(self) -> str:
+        """What embeds a few texts (a query): "onnx" (ONNX Runtime) or "torch"."""
+        return "torch" if self._session is None else "onnx"
+
     def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
         """Embeddings of shape [len(texts), dim], float32, unit norm."""
         if not texts:

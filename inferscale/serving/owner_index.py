@@ -102,6 +102,10 @@ class OwnerIndex:
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self._owners.values())
 
+    def __contains__(self, user_id: object) -> bool:
+        """Whether this owner's vectors are held now (else the next search loads them)."""
+        return user_id in self._owners
+
     async def search(self, user_id: str, query: np.ndarray, k: int) -> list[RetrievedFact]:
         """The owner's k live facts nearest to ``query``, nearest first (exact). Ranks the held
         vectors, then reads the hits' rows with the memory version in one statement; where the

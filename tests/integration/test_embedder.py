@@ -44,7 +44,7 @@ def test_the_export_is_made_once_and_reused(onnx_embedder, onnx_cache):
 def test_settings_choose_the_query_path(base_settings):
     off = load_embedder(base_settings.model_copy(update={"embed_queries_with_onnx": False}))
     on = load_embedder(base_settings)
-    assert off._session is None and on._session is not None
+    assert (off.query_path, on.query_path) == ("torch", "onnx")
     assert load_embedder(base_settings) is on  # one per process and settings
     assert (base_settings.data_dir / "embedders").is_dir()
 
@@ -56,11 +56,11 @@ def test_a_damaged_export_falls_back_to_torch_and_is_made_again(onnx_embedder, o
     damaged.mkdir()
     (damaged / export.name).write_bytes(b"not an onnx model")
     fallback = Embedder(onnx_cache=damaged)
-    assert fallback._session is None and "embedding them with torch" in caplog.text
+    assert fallback.query_path == "torch" and "embedding them with torch" in caplog.text
     assert np.allclose(fallback.encode(["cat"]), onnx_embedder.encode(["cat"]), atol=1e-4)
     assert not (damaged / export.name).exists()  # removed, so the next start exports again
     again = Embedder(onnx_cache=damaged)
-    assert again._session is not None and (damaged / export.name).stat().st_size > 1000
+    assert again.query_path == "onnx" and (damaged / export.name).stat().st_size > 1000
 
 
 @pytest.mark.parametrize("value", ["maybe", "2", "", "[]", "null"])

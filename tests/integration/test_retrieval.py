@@ -240,7 +240,7 @@ async def test_least_recently_used_owners_leave_within_the_budget(engine):
     for owner in owners:
         assert len(await index.search(owner, query, 5)) == 5
     assert index.nbytes <= index.max_bytes
-    assert [owner in index._owners for owner in owners] == [False, True, True]
+    assert [owner in index for owner in owners] == [False, True, True]
     assert len(await index.search(owners[0], query, 5)) == 5  # reloaded when asked again
 
 
