@@ -136,22 +136,16 @@ def _default(name: str, field: FieldInfo) -> str:
     return _render_value(name, field.get_default(call_default_factory=True))
 
 
+# The metadata kinds a field's limits come in: (kind, its attribute, how the page shows it).
+_LIMITS = ((annotated_types.Gt, "gt", "> {}"), (annotated_types.Ge, "ge", "≥ {}"),
+           (annotated_types.Lt, "lt", "< {}"), (annotated_types.Le, "le", "≤ {}"),
+           (annotated_types.MinLen, "min_length", "length ≥ {}"),
+           (annotated_types.MaxLen, "max_length", "length ≤ {}"))
+
+
 def _constraints(field: FieldInfo) -> list[str]:
-    out: list[str] = []
-    for item in field.metadata:
-        if isinstance(item, annotated_types.Gt):
-            out.append(f"> {item.gt}")
-        elif isinstance(item, annotated_types.Ge):
-            out.append(f"≥ {item.ge}")
-        elif isinstance(item, annotated_types.Lt):
-            out.append(f"< {item.lt}")
-        elif isinstance(item, annotated_types.Le):
-            out.append(f"≤ {item.le}")
-        elif isinstance(item, annotated_types.MinLen):
-            out.append(f"length ≥ {item.min_length}")
-        elif isinstance(item, annotated_types.MaxLen):
-            out.append(f"length ≤ {item.max_length}")
-    return out
+    return [shown.format(getattr(item, attr)) for item in field.metadata
+            for kind, attr, shown in _LIMITS if isinstance(item, kind)]
 
 
 def _type(annotation: str, field: FieldInfo) -> str:
