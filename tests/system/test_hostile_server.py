@@ -243,7 +243,7 @@ route_bodies = st.one_of(json_values, st.dictionaries(
 @given(data=st.data())
 def test_fuzzed_bodies_on_every_route_leave_the_server_up(served, post_routes, data):
     """Arbitrary JSON on every POST route (engine-control routes aside) and the forget route:
-    whatever each route answers, the server stays up."""
+    each is refused as a client error or served, never a 5xx, and the server stays up."""
     from inferscale.serving.frontend import CONTROL_PATHS, FORGET_PATH
 
     paths = sorted(set(post_routes) - CONTROL_PATHS | {FORGET_PATH})
@@ -254,8 +254,7 @@ def test_fuzzed_bodies_on_every_route_leave_the_server_up(served, post_routes, d
     response = httpx.post(f"{served.url}{path}", content=json.dumps(body).encode(), timeout=120,
                           headers={"content-type": "application/json"})
     tried("server: fuzzed bodies, every POST route")
-    if response.status_code >= 500:  # reported, not fatal: the contract is that it stays up
-        tried(f"server: fuzzed bodies answered {response.status_code} on {path}")
+    assert response.status_code < 500, (path, body, response.text[:300])  # a client error
     assert httpx.get(f"{served.url}/health", timeout=30).status_code == 200, (path, body)
 
 
