@@ -33,8 +33,17 @@ def _strength(raw: object) -> object:
     return raw
 
 
+def _flag(raw: object) -> object:
+    """true / false / 1 / 0 as text (a header's value) read as a bool; bools stay; anything
+    else fails the strict bool check (no "yes", no numbers)."""
+    if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
+        return raw.lower() in ("true", "1")
+    return raw
+
+
 Strength = Annotated[float, BeforeValidator(_strength),
                      Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Flag = Annotated[bool, BeforeValidator(_flag), Field(strict=True)]
 STRENGTH: TypeAdapter[float] = TypeAdapter(Strength)
 Count = Annotated[int, Field(ge=0, le=MAX_K)]
 
@@ -48,7 +57,7 @@ class MemoryOptions(BaseModel):
     k: Count
     recompute: Count = 0
     order: Literal["relevance", "time"] = "relevance"
-    lead: bool = True
+    lead: Flag = True
     key_scales: Strength = 1.0
 
 

@@ -291,6 +291,7 @@ def test_bad_requests_get_4xx_with_a_message(served):
     assert forged.status_code == 400 and "reserved" in forged.json()["error"]["message"]
     plain = served.chat(None, "Say hello.", max_tokens=4)
     assert plain.status_code == 200 and "x-inferscale-mode" not in plain.headers
+    assert served.chat("u", "hi", max_tokens=1).status_code == 200  # a memory request counts
     metrics = httpx.get(f"{served.url}/metrics", timeout=30).text
     assert "inferscale_memory_requests_total" in metrics
     assert "inferscale_kv_page_in_seconds_count" in metrics

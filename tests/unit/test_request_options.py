@@ -38,7 +38,13 @@ def test_no_owner_means_no_memory_and_key_scales_off_means_zero():
 @pytest.mark.parametrize(("given", "named"), [
     ({"mode": "telepathy"}, "mode"), ({"k": -1}, "k"), ({"k": MAX_K + 1}, "k"),
     ({"k": "two"}, "k"), ({"recompute": 10**30}, "recompute"), ({"recompute": [1]}, "recompute"),
-    ({"order": "random"}, "order"), ({"lead": "maybe"}, "lead"),
+    ({"order": "random"}, "order"), ({"order": 3}, "order"), ({"order": {"by": "time"}}, "order"),
+    ({"lead": "maybe"}, "lead"), ({"lead": "yes"}, "lead"), ({"lead": 2}, "lead"),
+    ({"lead": 1}, "lead"), ({"lead": [True]}, "lead"), ({"lead": {"on": 1}}, "lead"),
+    ({"key_scales": "half"}, "key_scales"), ({"key_scales": -0.1}, "key_scales"),
+    ({"key_scales": "1e999"}, "key_scales"), ({"key_scales": 10**400}, "key_scales"),
+    ({"key_scales": [0.9]}, "key_scales"), ({"key_scales": {"layer": 1}}, "key_scales"),
+    ({"k": 2.5}, "k"), ({"recompute": "two"}, "recompute"),
     ({"key_scales": 1.5}, "key_scales"), ({"key_scales": "nan"}, "key_scales"),
     ({"key_scales": float("inf")}, "key_scales"),
     ({"colour": "red"}, "colour")])
@@ -46,6 +52,16 @@ def test_bad_options_are_a_400_naming_the_option(given, named):
     with pytest.raises(FrontendError) as refused:
         owner_and_options({"user": "ana", "inferscale": given}, {}, SERVER)
     assert refused.value.status == 400 and named in refused.value.message
+
+
+@pytest.mark.parametrize(("header", "value"), [("x-inferscale-lead", "maybe"),
+                                               ("x-inferscale-key-scales", "2"),
+                                               ("x-inferscale-k", "-1"),
+                                               ("x-inferscale-memory", "telepathy")])
+def test_bad_option_headers_are_a_400(header, value):
+    with pytest.raises(FrontendError) as refused:
+        owner_and_options({"user": "ana"}, {header: value}, SERVER)
+    assert refused.value.status == 400
 
 
 @pytest.mark.parametrize("owner", ["", "x" * 257, 5, ["ana"], {"id": "ana"}])
