@@ -1,11 +1,20 @@
-"""Who may read a memory: the front end's key check runs before any retrieval (pure logic)."""
+"""Who may read a memory: the front end's key check runs before any retrieval (pure logic).
+
+Every server here names a model folder that does not exist, so a request that got past the
+checks into the memory machinery would answer 503 ("memory unavailable"): a 401 or 403 shows the
+refusal came first."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from inferscale.platform.settings import Settings
 from inferscale.serving.frontend import MemoryFrontend
+
+
+def _settings(**fields) -> Settings:
+    return Settings(model_path=Path("/nonexistent-model"), **fields)
 
 
 async def _downstream(scope, receive, send):
@@ -34,7 +43,7 @@ async def _call(frontend, body: dict, headers: dict[str, str],
 @pytest.fixture
 def frontend():
     app = MemoryFrontend(_downstream)
-    app.settings = Settings(api_keys={"key-a": ["alice"], "key-admin": ["*"]})
+    app.settings = _settings(api_keys={"key-a": ["alice"], "key-admin": ["*"]})
     return app
 
 
@@ -51,7 +60,6 @@ async def test_keys_that_may_not_act_for_owner_are_refused(frontend, headers, ow
     code, body = await _call(frontend, {**CHAT, "user": owner}, headers)
     assert code == status
     assert body["error"]["message"]
-    assert frontend._runtime is None  # no retrieval machinery was even created
 
 
 async def test_requests_without_owner_pass_untouched(frontend):
@@ -60,27 +68,26 @@ async def test_requests_without_owner_pass_untouched(frontend):
 
 
 @pytest.mark.parametrize(("settings", "status"), [
-    (Settings(server_host="0.0.0.0"), 401),  # no keys, reachable from outside: refused
-    (Settings(server_host="0.0.0.0", allow_anonymous=True), 200),  # an explicit choice
-    (Settings(server_host="127.0.0.1", allow_anonymous=False), 401),
+    (_settings(server_host="0.0.0.0"), 401),  # no keys, reachable from outside: refused
+    (_settings(server_host="0.0.0.0", allow_anonymous=True), 200),  # an explicit choice
+    (_settings(server_host="127.0.0.1", allow_anonymous=False), 401),
 ])
 async def test_anonymous_memory_is_an_explicit_choice(settings, status):
     app = MemoryFrontend(_downstream)
     app.settings = settings
-    app._rt = None  # a granted request stops here: retrieval is not what is tested
     code, body = await _call(app, {**CHAT, "user": "alice", "inferscale": {"mode": "none"}}, {})
     if status == 401:
         assert code == 401 and "API key" in body["error"]["message"]
     else:
-        assert code == 503  # got past the key check into the (disabled) memory machinery
+        assert code == 503  # got past the key check into the memory machinery (no model)
 
 
 async def test_vllm_api_key_is_checked_before_any_memory_work(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "vllm-secret")
     app = MemoryFrontend(_downstream)
-    app.settings = Settings(allow_anonymous=True)
+    app.settings = _settings(allow_anonymous=True)
     code, _ = await _call(app, {**CHAT, "user": "alice"}, {})
-    assert code == 401 and app._runtime is None
+    assert code == 401
     code, body = await _call(app, CHAT, {"authorization": "Bearer vllm-secret"})
     assert code == 200 and body == CHAT
 
@@ -94,13 +101,13 @@ async def test_refused_kv_transfer_params_anywhere(frontend):
 
 
 @pytest.mark.parametrize(("settings", "headers", "status"), [
-    (Settings(api_keys={"key-a": ["alice"], "root": ["*"]}), {}, 401),
-    (Settings(api_keys={"key-a": ["alice"], "root": ["*"]}),
+    (_settings(api_keys={"key-a": ["alice"], "root": ["*"]}), {}, 401),
+    (_settings(api_keys={"key-a": ["alice"], "root": ["*"]}),
      {"authorization": "Bearer key-a"}, 403),
-    (Settings(api_keys={"key-a": ["alice"], "root": ["*"]}),
+    (_settings(api_keys={"key-a": ["alice"], "root": ["*"]}),
      {"authorization": "Bearer root"}, 200),
-    (Settings(server_host="0.0.0.0"), {}, 401),
-    (Settings(), {}, 200),  # loopback, no keys: the anonymous policy applies here too
+    (_settings(server_host="0.0.0.0"), {}, 401),
+    (_settings(), {}, 200),  # loopback, no keys: the anonymous policy applies here too
 ])
 async def test_engine_control_routes_need_an_admin_key(settings, headers, status):
     app = MemoryFrontend(_downstream)
