@@ -24,25 +24,25 @@ _Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"
 
 
 class ModelCallStuck(RuntimeError):
-    """A model call ran past its deadline; ``where`` is the thread's innermost frames."""
+    """A model call ran past its deadline; the message ends with the thread's innermost
+    frames."""
 
     def __init__(self, name: str, deadline_s: float, where: str):
         super().__init__(f"{name} still running after {deadline_s:g} s; the model thread is at:"
                          f"\n{where}")
-        self.name, self.where = name, where
 
 
 class ModelThread:
     """Runs blocking calls one at a time, in order, on a daemon thread of its own."""
 
     def __init__(self, name: str = "model") -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            call, loop, future = job
+        while True:
+            call, loop, future = self._jobs.get()
             try:
                 result = call()
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
@@ -67,11 +67,6 @@ class ModelThread:
             return await asyncio.wait_for(asyncio.shield(future), deadline_s)
         except TimeoutError:
             raise ModelCallStuck(name, deadline_s, self.where()) from None
-
-    def close(self) -> None:
-        """Let the thread end after the calls already queued."""
-        self._jobs.put(None)
-
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
     if future.cancelled():

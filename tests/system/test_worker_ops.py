@@ -65,6 +65,15 @@ async def test_health_and_metrics_endpoints():
             metrics = (await client.get("/metrics")).text
             assert "inferscale_worker_consumed_total" in metrics
             assert "inferscale_worker_lag" in metrics or "inferscale_worker_paused" in metrics
+        for garbage in (b"\x00\xff" * 600 + b"\r\n\r\n", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n",
+                        b"POST /healthz HTTP/1.1\r\nContent-Length: 99999999\r\n\r\nx", b""):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                raw.sendall(garbage)
+                raw.shutdown(socket.SHUT_WR)
+                with contextlib.suppress(OSError):
+                    raw.recv(4096)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            assert (await client.get("/healthz")).status_code == 200  # still serving
     finally:
         await health.stop()
 
@@ -152,7 +161,8 @@ async def test_a_stuck_worker_still_stops_by_its_deadline(settings, tiny_models,
         assert "Timeout (0:00:07)!" in log and "in hit" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("name", ["INFERSCALE_WORKER_SHUTDOWN_S", "INFERSCALE_ORPHAN_SWEEP_S"])
+@pytest.mark.parametrize("name", ["INFERSCALE_WORKER_SHUTDOWN_S", "INFERSCALE_ORPHAN_SWEEP_S",
+                                  "INFERSCALE_ENCODE_STUCK_S"])
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "nan", "", "1e400"])
 def test_worker_timing_settings_refuse_bad_values(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
