@@ -79,15 +79,14 @@ class EncodeWorker(BatchStage):
     batches."""
 
     def __init__(self, settings: Settings, engine: AsyncEngine, encoder: FactEncoder,
-                 store: KVStore, wake: asyncio.Event | None = None, poll_s: float = 1.0,
-                 model_thread: ModelThread | None = None):
+                 store: KVStore, wake: asyncio.Event | None = None, poll_s: float = 1.0):
         super().__init__(wake, poll_s)
         self.settings = settings
         self.engine = engine
         self.encoder = encoder
         self.store = store
         # Forward passes run here, each watched: past encode_stuck_s the stage dies (see run).
-        self.model_thread = model_thread or ModelThread("encode")
+        self.model_thread = ModelThread("encode")
         self.stats = EncodeStats()
         self._preamble_ready = False
         self._next_sweep = 0.0
@@ -97,7 +96,10 @@ class EncodeWorker(BatchStage):
         swept = await asyncio.get_running_loop().run_in_executor(None, self.store.sweep_temp)
         if swept:
             log.warning("removed %d half-written KV temp files of dead writers", swept)
-        await self.run_batches(drain)
+        try:
+            await self.run_batches(drain)
+        finally:
+            self.model_thread.close()
         return self.stats
 
     async def handle_batch(self) -> int:

@@ -36,13 +36,13 @@ class ModelThread:
     """Runs blocking calls one at a time, in order, on a daemon thread of its own."""
 
     def __init__(self, name: str = "model") -> None:
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
-            call, loop, future = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
+            call, loop, future = job
             try:
                 result = call()
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
@@ -67,6 +67,11 @@ class ModelThread:
             return await asyncio.wait_for(asyncio.shield(future), deadline_s)
         except TimeoutError:
             raise ModelCallStuck(name, deadline_s, self.where()) from None
+
+    def close(self) -> None:
+        """End the thread once the calls already queued are done (a stuck one: never)."""
+        self._jobs.put(None)
+
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
     if future.cancelled():
