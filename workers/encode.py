@@ -11,6 +11,11 @@ Early-fact backfill (``encode_backfill``, neighbours context): when nothing is p
 marked because their user now has 3 x ``window`` facts are encoded again after a full context.
 Their blob is replaced in place (same name, new checksum): servers page the new one in, since a
 memory tier serves a blob only under the checksum the plan expects.
+
+KV budget (``kv_budget_bytes``, ``kv_user_budget_bytes``): every ``kv_evict_interval_s`` the
+stage evicts the KV of the least recently served users (and each user's oldest encodings beyond
+their budget), rows first, then blobs (``db/kv_budget.py``); evicted facts are served as text
+and encoded again, before the backlog, once a request wants them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from inferscale.db.encode_queue import (
     record_encode_failure,
     record_encoded,
 )
+from inferscale.db.kv_budget import evict_over_budget
 from inferscale.kv.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.forget import sweep_orphan_blobs
@@ -47,6 +53,7 @@ from workers.model_thread import ModelCallStuck, ModelThread
 from workers.stage import BatchStage
 
 log = logging.getLogger("inferscale.encode")
+_EVICT_BATCH = 1000  # facts evicted per transaction
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -90,6 +97,7 @@ class EncodeWorker(BatchStage):
         self.stats = EncodeStats()
         self._preamble_ready = False
         self._next_sweep = 0.0
+        self._next_eviction = 0.0
 
     async def run(self, drain: bool = False) -> EncodeStats:
         """Encode until stopped (or, with ``drain``, until nothing is pending)."""
@@ -106,8 +114,8 @@ class EncodeWorker(BatchStage):
         return await self.encode_pending()
 
     async def before_batch(self) -> None:
-        """Sweep orphan blobs when due; store the preamble's KV once (retried each round while
-        the durable tier fails)."""
+        """Sweep orphan blobs and evict KV over the budgets when due; store the preamble's KV
+        once (retried each round while the durable tier fails)."""
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + self.settings.orphan_sweep_s
             try:
@@ -115,6 +123,7 @@ class EncodeWorker(BatchStage):
                     log.warning("removed %d orphan KV blobs (their facts are gone)", swept)
             except Exception as exc:  # noqa: BLE001 - maintenance: tried again at the next sweep
                 log.warning("orphan sweep failed: %s", exc)
+        await self._evict_when_due()
         if self._preamble_ready:
             return
         try:
@@ -123,6 +132,33 @@ class EncodeWorker(BatchStage):
             self._preamble_ready = True
         except OSError as exc:
             log.warning("cannot store the preamble KV: %s", exc)
+
+    async def _evict_when_due(self) -> None:
+        """Bring the durable tier under the KV budgets (when one is set and a round is due):
+        rows first, in batches, then each batch's blobs (a failure is retried next round)."""
+        s = self.settings
+        if (s.kv_budget_bytes is None and s.kv_user_budget_bytes is None) or (
+                time.monotonic() < self._next_eviction):
+            return
+        self._next_eviction = time.monotonic() + s.kv_evict_interval_s
+        try:
+            while True:
+                async with self.engine.begin() as conn:
+                    evicted = await evict_over_budget(
+                        conn, s.kv_budget_bytes, s.kv_user_budget_bytes, s.kv_evict_grace_s,
+                        s.kv_budget_headroom, _EVICT_BATCH)
+                if not evicted:
+                    return
+                failpoints.hit("kv.evict.before_delete")
+                await asyncio.to_thread(self.store.delete, [e.location for e in evicted])
+                observe.KV_EVICTED_FACTS.inc(len(evicted))
+                observe.KV_EVICTED_BYTES.inc(sum(e.nbytes for e in evicted))
+                log.info("evicted the KV of %d facts (%.1f MB) to keep under the KV budget",
+                         len(evicted), sum(e.nbytes for e in evicted) / 1e6)
+                if len(evicted) < _EVICT_BATCH:
+                    return
+        except Exception as exc:  # noqa: BLE001 - maintenance: tried again at the next round
+            log.warning("KV eviction failed: %s", exc)
 
     async def after_batch(self, busy_s: float) -> None:
         """Idle long enough after a batch that the busy share stays at the duty cycle."""
@@ -238,9 +274,11 @@ class EncodeWorker(BatchStage):
             try:
                 lead = leads.get(fact.id)
                 stored_lead = None if lead is None else self.store.put(
-                    lead_name(fact.id), lead.k, lead.v, lead.token_ids, window=0)
+                    lead_name(fact.id), lead.k, lead.v, lead.token_ids, window=0,
+                    kv_format=self.settings.lead_kv_format or self.settings.kv_format)
                 stored = self.store.put(str(fact.id), span.k, span.v, span.token_ids,
-                                        window=self.settings.window)
+                                        window=self.settings.window,
+                                        kv_format=self.settings.kv_format)
             except OSError as exc:
                 failures.append((fact, failure_reason(exc)))
                 continue
@@ -248,7 +286,8 @@ class EncodeWorker(BatchStage):
                 "id": fact.id, "claim": fact.claim, "token_ids": span.token_ids,
                 "window": self.settings.window, "context_facts": len(fact.context),
                 "reencode": fact.reencode, "fingerprint": self.store.fingerprint,
-                "location": stored.location, "nbytes": stored.nbytes, "checksum": stored.checksum,
+                "location": stored.location, "checksum": stored.checksum,
+                "nbytes": stored.nbytes + (stored_lead.nbytes if stored_lead else 0),
                 "lead_checksum": stored_lead.checksum if stored_lead else None,
             })
         return rows, failures

@@ -26,6 +26,10 @@ FACTS_REENCODED = Counter("inferscale_worker_facts_reencoded",
 MODEL_CALLS_STUCK = Counter("inferscale_worker_model_calls_stuck",
                             "Model calls still running past their deadline (the stage then dies)",
                             ["stage"])
+KV_EVICTED_FACTS = Counter("inferscale_worker_kv_evicted_facts",
+                           "Facts whose KV was evicted to keep under the KV budget")
+KV_EVICTED_BYTES = Counter("inferscale_worker_kv_evicted_bytes",
+                           "Bytes of KV blobs evicted to keep under the KV budget")
 ENCODE_FAILURES = Counter("inferscale_worker_encode_failures", "Failed fact encodes")
 BATCH_SECONDS = Histogram("inferscale_worker_batch_seconds", "Ingest/extract/encode batch latency",
                           ["stage"])

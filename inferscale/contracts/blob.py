@@ -1,8 +1,11 @@
 """The one KV blob format (safetensors): encode and decode, with its checksum.
 
-``k`` (pre-RoPE) and ``v`` as ``[layers, tokens, kv_heads, head_dim]`` in the model dtype,
-``token_ids`` (int32); metadata: model fingerprint, window, dtype, shape and a checksum of K, V
-and the token ids: BLAKE3 (``checksum_algorithm``), or sha256 in blobs written before it.
+``k`` (pre-RoPE) and ``v`` as ``[layers, tokens, kv_heads, head_dim]`` in the model dtype, or
+as codes with ``k_params`` and ``v_params`` (``kv_format``: the format, ``kv_format.py``),
+``token_ids`` (int32); metadata: model fingerprint, window, dtype, shape (of K as it
+dequantises), ``kv_format`` (absent: raw) and a checksum of K, V and the token ids (then the
+params and the format's name): BLAKE3 (``checksum_algorithm``), or sha256 in blobs written
+before it.
 ``safetensors`` writes blobs; they are read as views into the buffer they were read into
 (``safetensors.torch.load`` copies every tensor into fresh memory, which took 3x as long as
 verifying the blob).
@@ -22,25 +25,25 @@ import torch
 from blake3 import blake3
 from safetensors.torch import save
 
+from inferscale.contracts.kv_format import RAW, RAW_BITS, KVPiece, bits_of, quantize
+
 if TYPE_CHECKING:
     from _hashlib import HASH
 
 
-@dataclass(frozen=True)
-class KVBlob:
-    """One fact's KV, ready to rotate and inject."""
+@dataclass(frozen=True, kw_only=True)
+class KVBlob(KVPiece):
+    """One fact's KV as stored (keys before RoPE), ready to rotate and inject."""
 
-    k: torch.Tensor  # [layers, tokens, kv_heads, head_dim], keys before RoPE
-    v: torch.Tensor
     token_ids: list[int]
     fingerprint: str
     window: int
     checksum: str | None = None  # of its content, verified when it was read
 
-    @property
-    def nbytes(self) -> int:
-        nbytes: int = self.k.nbytes + self.v.nbytes
-        return nbytes
+    def piece(self, skip: int = 0) -> KVPiece:
+        """Its K/V without the first ``skip`` tokens (views)."""
+        return KVPiece(k=self.k, v=self.v, bits=self.bits, k_params=self.k_params,
+                       v_params=self.v_params, out_dtype=self.out_dtype).sliced(skip)
 
 
 CHECKSUM_ALGORITHM = "blake3"
@@ -49,37 +52,49 @@ CHECKSUM_ALGORITHM = "blake3"
 _HASHES: dict[str, Callable[[], blake3 | HASH]] = {"blake3": blake3, "sha256": hashlib.sha256}
 
 
-def blob_checksum(k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor,
+def blob_checksum(tensors: list[torch.Tensor], kv_format: str = RAW,
                   algorithm: str = CHECKSUM_ALGORITHM) -> str:
-    """Hex digest over the raw bytes of K, V and the token ids."""
+    """Hex digest over the raw bytes of ``tensors`` (K, V, the token ids, then the params of
+    a coded blob) and, for a coded blob, its format's name (a relabelled blob fails it)."""
     if algorithm not in _HASHES:
         raise ValueError(f"unknown checksum algorithm {algorithm!r}")
     digest = _HASHES[algorithm]()
-    for tensor in (k, v, token_ids):
+    for tensor in tensors:
         digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
+    if kv_format != RAW:
+        digest.update(kv_format.encode())
     return digest.hexdigest()
 
 
 def encode_blob(k: torch.Tensor, v: torch.Tensor, token_ids: list[int], fingerprint: str,
-                window: int) -> tuple[bytes, str]:
-    """The blob's bytes and checksum."""
+                window: int, kv_format: str = RAW) -> tuple[bytes, str]:
+    """The blob's bytes (K and V stored in ``kv_format``) and checksum."""
     if k.shape != v.shape or k.dim() != 4 or k.shape[1] != len(token_ids):
         raise ValueError(f"bad KV shape k={tuple(k.shape)} v={tuple(v.shape)} "
                          f"tokens={len(token_ids)}")
     k, v = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
-    ids = torch.tensor(token_ids, dtype=torch.int32)
-    checksum = blob_checksum(k, v, ids)
+    stored = quantize(k, v, kv_format)
+    tensors = {"k": stored.k, "v": stored.v, "token_ids": torch.tensor(token_ids,
+                                                                        dtype=torch.int32)}
+    if stored.k_params is not None and stored.v_params is not None:
+        tensors |= {"k_params": stored.k_params, "v_params": stored.v_params}
+    checksum = blob_checksum(list(tensors.values()), kv_format)
     metadata = {
         "fingerprint": fingerprint, "window": str(window), "checksum": checksum,
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "dtype": str(k.dtype).removeprefix("torch."), "shape": ",".join(map(str, k.shape)),
     }
-    return save({"k": k, "v": v, "token_ids": ids}, metadata=metadata), checksum
+    if kv_format != RAW:
+        metadata["kv_format"] = kv_format
+    return save(tensors, metadata=metadata), checksum
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-           "I32": torch.int32}
+           "I32": torch.int32, "U8": torch.uint8}
+_ROW_DTYPES = {str(dtype).removeprefix("torch."): dtype
+               for dtype in (torch.bfloat16, torch.float16, torch.float32)}
 _TENSORS = ("k", "v", "token_ids")
+_PARAMS = ("k_params", "v_params")
 
 
 def _views(raw: bytes | bytearray | memoryview
@@ -95,13 +110,19 @@ def _views(raw: bytes | bytearray | memoryview
     if header_len > buffer.nbytes - 8:
         raise ValueError(f"a header of {header_len} bytes in a {buffer.nbytes}-byte blob")
     header = json.loads(bytes(buffer[8:8 + header_len]))
-    if not isinstance(header, dict) or set(header) - {"__metadata__"} != set(_TENSORS):
-        raise ValueError(f"expected exactly the tensors {list(_TENSORS)}")
+    if not isinstance(header, dict):
+        raise ValueError("the header is not an object")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("the metadata is not an object")
+    names = _TENSORS if metadata.get("kv_format", RAW) == RAW else _TENSORS + _PARAMS
+    if set(header) - {"__metadata__"} != set(names):
+        raise ValueError(f"expected exactly the tensors {list(names)}")
     body = buffer[8 + header_len:]
     data = torch.frombuffer(body, dtype=torch.uint8) if body.nbytes else torch.empty(
         0, dtype=torch.uint8)
     tensors = {}
-    for name in _TENSORS:
+    for name in names:
         entry = header[name]
         dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
         start, end = entry["data_offsets"]
@@ -111,10 +132,33 @@ def _views(raw: bytes | bytearray | memoryview
                 and end - start == math.prod(shape) * dtype.itemsize):
             raise ValueError(f"tensor {name}: shape {shape} does not fit its data offsets")
         tensors[name] = data[start:end].view(dtype).view(shape)
-    metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict):
-        raise ValueError("the metadata is not an object")
     return tensors, metadata
+
+
+def _stored(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> KVPiece:
+    """The blob's K/V as stored, its tensors checked against each other and its format."""
+    kv_format = str(metadata.get("kv_format", RAW))
+    bits = bits_of(kv_format)
+    k, v, ids = tensors["k"], tensors["v"], tensors["token_ids"]
+    if k.shape != v.shape or k.dim() != 4 or ids.dim() != 1 or k.shape[1] != ids.numel() or (
+            ids.dtype != torch.int32) or k.dtype != v.dtype:
+        raise ValueError(f"inconsistent shapes k={tuple(k.shape)} v={tuple(v.shape)} "
+                         f"token_ids={tuple(ids.shape)}")
+    if bits == RAW_BITS:
+        if k.dtype not in _ROW_DTYPES.values():
+            raise ValueError(f"raw K/V of dtype {k.dtype}")
+        return KVPiece(k=k, v=v)
+    out_dtype = _ROW_DTYPES.get(str(metadata.get("dtype")))
+    layers, tokens, heads, width = k.shape
+    dim = width * 8 // bits
+    k_params, v_params = tensors["k_params"], tensors["v_params"]
+    if (k.dtype != torch.uint8 or out_dtype is None
+            or k_params.shape != (layers, heads, 2, dim)
+            or v_params.shape != (layers, tokens, heads, 2)
+            or {k_params.dtype, v_params.dtype} != {torch.bfloat16}):
+        raise ValueError(f"a {kv_format} blob whose codes and params do not fit its format")
+    return KVPiece(k=k, v=v, bits=bits, k_params=k_params, v_params=v_params,
+                   out_dtype=out_dtype)
 
 
 def decode_blob(raw: bytes | bytearray | memoryview, known_checksum: str | None = None
@@ -123,16 +167,18 @@ def decode_blob(raw: bytes | bytearray | memoryview, known_checksum: str | None 
     does not match its own. ``known_checksum``: what these very bytes were verified to hold
     before (not hashed again if the blob still names it)."""
     tensors, metadata = _views(raw)
-    k, v, ids = tensors["k"], tensors["v"], tensors["token_ids"]
-    if k.shape != v.shape or k.dim() != 4 or ids.dim() != 1 or k.shape[1] != ids.numel() or (
-            ids.dtype != torch.int32):
-        raise ValueError(f"inconsistent shapes k={tuple(k.shape)} v={tuple(v.shape)} "
-                         f"token_ids={tuple(ids.shape)}")
+    stored = _stored(tensors, metadata)
     if known_checksum is not None and known_checksum == metadata["checksum"]:
         checksum = known_checksum
     else:
-        checksum = blob_checksum(k, v, ids, metadata.get("checksum_algorithm", "sha256"))
+        names = _TENSORS if stored.bits == RAW_BITS else _TENSORS + _PARAMS
+        checksum = blob_checksum([tensors[name] for name in names],
+                                 str(metadata.get("kv_format", RAW)),
+                                 metadata.get("checksum_algorithm", "sha256"))
     verified = checksum if checksum == metadata["checksum"] else None
-    blob = KVBlob(k=k, v=v, token_ids=ids.tolist(), fingerprint=str(metadata["fingerprint"]),
-                  window=int(metadata["window"]), checksum=verified)
+    blob = KVBlob(k=stored.k, v=stored.v, bits=stored.bits, k_params=stored.k_params,
+                  v_params=stored.v_params, out_dtype=stored.out_dtype,
+                  token_ids=tensors["token_ids"].tolist(),
+                  fingerprint=str(metadata["fingerprint"]), window=int(metadata["window"]),
+                  checksum=verified)
     return blob, verified

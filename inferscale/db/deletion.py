@@ -1,5 +1,5 @@
-"""Forgetting a user's rows (a tombstone stays) and telling which facts still exist. All SQL is
-parameterized."""
+"""Forgetting a user's rows (a tombstone stays) and telling which facts may still own blobs.
+All SQL is parameterized."""
 
 from __future__ import annotations
 
@@ -34,12 +34,16 @@ async def delete_user(conn: AsyncConnection, user_id: str) -> tuple[list[int], l
                                               set_={"forgotten_at": now}))
     return [row.id for row in rows], [row.kv_location for row in rows if row.kv_location]
 
-async def existing_fact_ids(conn: AsyncConnection, fact_ids: Sequence[int]) -> set[int]:
-    """Which of these fact ids still have a row."""
+async def fact_ids_owning_blobs(conn: AsyncConnection, fact_ids: Sequence[int]) -> set[int]:
+    """Which of these facts may own KV blobs: those that still have a row, except facts whose
+    KV was evicted and that no request wants back (what blobs they left are leftovers of an
+    eviction cut short)."""
     if not fact_ids:
         return set()
     # One array parameter (= ANY): an IN list binds one parameter per id, and asyncpg takes
     # at most 32,767 of them, fewer than the blobs a bucket holds.
     ids = bindparam("ids", list(fact_ids), type_=ARRAY(BigInteger))
-    rows = await conn.execute(select(facts.c.id).where(facts.c.id == any_(ids)))
+    evicted = (facts.c.kv_evicted_at.is_not(None) & facts.c.kv_location.is_(None)
+               & facts.c.kv_wanted_at.is_(None))
+    rows = await conn.execute(select(facts.c.id).where(facts.c.id == any_(ids), ~evicted))
     return set(rows.scalars().all())

@@ -65,9 +65,11 @@ _RANKED = """LEFT JOIN LATERAL (SELECT r.ts, r.id FROM facts r
                  ORDER BY r.ts, r.id OFFSET {rank} LIMIT 1) {alias} ON true"""
 
 # Which facts a claim takes: facts waiting for KV with attempts (or storage retries) left that
-# have not been quarantined, or (``backfill``) facts marked for re-encoding.
+# have not been quarantined and whose KV was not evicted (unless a request wants it again), or
+# (``backfill``) facts marked for re-encoding.
 _CANDIDATES = {
     "pending": """kv_location IS NULL
+              AND (kv_evicted_at IS NULL OR kv_wanted_at IS NOT NULL)
               AND (encode_attempts < :max_attempts OR encode_error LIKE :storage_failure)
               AND (encode_error IS NULL OR encode_error NOT LIKE :quarantined)""",
     "backfill": """backfill_due AND kv_location IS NOT NULL
@@ -76,7 +78,7 @@ _CANDIDATES = {
 
 # A fact is claimable while it is a candidate, live, past its backoff and its lease, and has
 # not killed max_crashes workers. ``:suspect`` selects the facts whose last claimer died
-# (claims ahead of recorded outcomes), or the others.
+# (claims ahead of recorded outcomes), or the others. Evicted facts a request wants come first.
 _CLAIM = """
     WITH claimed AS (
         UPDATE facts SET encode_claims = encode_claims + 1,
@@ -88,7 +90,7 @@ _CLAIM = """
               AND (claimed_until IS NULL OR claimed_until <= now())
               AND encode_claims - encode_attempts < :max_crashes
               AND (encode_claims > encode_attempts) = :suspect
-            ORDER BY encode_attempts, id
+            ORDER BY kv_wanted_at IS NULL, encode_attempts, id
             LIMIT :limit
             FOR UPDATE SKIP LOCKED))
         RETURNING id, user_id, conversation_id, ts, text, embedding, encode_attempts,
@@ -192,7 +194,7 @@ async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> list[di
             kv_location=bindparam("location"), kv_bytes=bindparam("nbytes"),
             kv_checksum=bindparam("checksum"),
             kv_lead_checksum=bindparam("lead_checksum"),
-            encoded_at=func.clock_timestamp(),
+            encoded_at=func.clock_timestamp(), kv_evicted_at=None, kv_wanted_at=None,
             encode_error=None, retry_at=None, claimed_until=None,
             encode_attempts=facts.c.encode_attempts + 1,
         ),
@@ -218,10 +220,12 @@ async def record_encode_failure(conn: AsyncConnection, fact: PendingFact, error:
 async def count_pending_facts(conn: AsyncConnection, max_attempts: int, max_crashes: int,
                               user_id: str | None = None) -> int:
     """Facts (of every user, or of ``user_id``) still waiting for their KV (and still to be
-    tried, now or after a backoff or a lease); quarantined facts are not."""
+    tried, now or after a backoff or a lease); quarantined facts are not, nor evicted facts no
+    request wants."""
     mine = facts.c.user_id == user_id if user_id is not None else true()
     query = select(func.count()).where(mine,
         facts.c.kv_location.is_(None), facts.c.deleted_at.is_(None),
+        facts.c.kv_evicted_at.is_(None) | facts.c.kv_wanted_at.is_not(None),
         facts.c.encode_claims - facts.c.encode_attempts < max_crashes,
         facts.c.encode_error.is_(None) | facts.c.encode_error.not_like(f"{QUARANTINED}:%"),
         (facts.c.encode_attempts < max_attempts)

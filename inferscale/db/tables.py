@@ -62,6 +62,8 @@ facts = Table(
     Column("kv_bytes", BigInteger),
     Column("kv_checksum", String(64)),
     Column("kv_lead_checksum", String(64)),  # the lead blob's (NULL: none)
+    Column("kv_evicted_at", DateTime(timezone=True)),  # its KV evicted (budget); served as text
+    Column("kv_wanted_at", DateTime(timezone=True)),  # evicted, and a request wants it again
     Column("encode_attempts", Integer, nullable=False, server_default="0"),
     Column("encode_error", Text),
     Column("retry_at", DateTime(timezone=True)),
@@ -91,4 +93,13 @@ memory_versions = Table(
     Column("version", BigInteger, nullable=False),
     Column("inserted", BigInteger, nullable=False),
     Column("retired", BigInteger, nullable=False),
+)
+
+# When each user's memory was last served (migration 0010): eviction takes the least recently
+# served users' KV first, and none of a user served within the grace period.
+memory_activity = Table(
+    "memory_activity",
+    metadata,
+    Column("user_id", String(256), primary_key=True),
+    Column("served_at", DateTime(timezone=True), nullable=False),
 )

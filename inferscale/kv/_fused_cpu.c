@@ -3,7 +3,10 @@
    blocks in one pass over the memory. Bit-exact with vLLM's rotary kernel on a bf16 table
    followed by vLLM's cache update, on any CPU: the product of two bf16 values is exact in fp32,
    so each output has one rounding (the fp32 sum) whether a build fuses multiply-adds or not
-   (vLLM's AVX-512 build does, its AVX2 build does not); then one rounding to bf16. */
+   (vLLM's AVX-512 build does, its AVX2 build does not); then one rounding to bf16. Rows stored
+   as integer codes (kv_format.py) are dequantised on the way, per head, into a row on the
+   stack: code * scale + zero in fp32 (an exact product: one rounding either way), rounded to
+   bf16, as torch computes it in the portable chain. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -54,16 +57,42 @@ static inline uint16_t rbf(float f) {
 typedef struct {
     int64_t layout, heads, dim, rot, block_size, tokens;
     const int64_t *piece_k, *piece_v;  /* per token: address of its layer-0 K / V row */
-    const int64_t *layer_stride;       /* per token: elements between its layers */
+    const int64_t *layer_stride;       /* per token: row elements between its layers */
+    const int64_t *bits;               /* per token: 16 (bf16 rows) or 8, 4, 2 (codes) */
+    const int64_t *k_params;           /* per token: its blob's layer-0 [heads][2][dim] */
+    const int64_t *v_params;           /* per token: its layer-0 [heads][2] */
+    const int64_t *v_params_stride;    /* per token: elements between its layers' params */
     const int64_t *slots, *positions;
     const uint16_t *cos_sin;           /* [max_position][rot]: cos | sin */
     const uint16_t *scales;            /* [layers][tokens] bf16 key scales, or NULL */
     const int64_t *caches;             /* per layer: address of its cache */
 } job_t;
 
-static inline const uint16_t *row_of(const int64_t *base, const job_t *j, int64_t layer,
-                                     int64_t t) {
-    return (const uint16_t *)(intptr_t)base[t] + layer * j->layer_stride[t];
+static inline const char *row_of(const int64_t *base, const job_t *j, int64_t layer,
+                                 int64_t t) {
+    return (const char *)(intptr_t)base[t] + layer * j->layer_stride[t] * (j->bits[t] == 16 ? 2 : 1);
+}
+
+/* one head's row of b-bit codes dequantised into out[dim]: per element scale[d * step] and
+   zero[d * step] (keys: per channel, step 1; values: one pair, step 0). ``bits`` is a
+   constant at each call, so every width gets its own loop. */
+static inline __attribute__((always_inline)) void dequant(
+        uint16_t *out, const uint8_t *codes, int bits, int64_t dim, const uint16_t *scale,
+        const uint16_t *zero, int64_t step) {
+    const int per = 8 / bits, mask = (1 << bits) - 1;
+    for (int64_t d = 0; d < dim; d++) {
+        float q = (float)((codes[d / per] >> ((d % per) * bits)) & mask);
+        out[d] = rbf(q * bf(scale[d * step]) + bf(zero[d * step]));
+    }
+}
+
+static inline void dequant_row(uint16_t *out, const uint8_t *codes, int64_t bits, int64_t dim,
+                               const uint16_t *scale, const uint16_t *zero, int64_t step) {
+    switch (bits) {
+    case 8: dequant(out, codes, 8, dim, scale, zero, step); break;
+    case 4: dequant(out, codes, 4, dim, scale, zero, step); break;
+    default: dequant(out, codes, 2, dim, scale, zero, step); break;
+    }
 }
 
 CLONES static void inject_layer(const job_t *j, int64_t layer) {
@@ -71,17 +100,19 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
     const int64_t bs = j->block_size, tokens = j->tokens, row = heads * dim;
     uint16_t *cache = (uint16_t *)(intptr_t)j->caches[layer];
     uint16_t tile[GROUP][MAX_DIM] __attribute__((aligned(64)));
+    uint16_t kdq[GROUP][MAX_DIM], vdq[GROUP][MAX_DIM];  /* dequantised rows of one head */
     float cs[GROUP][MAX_DIM], scale[GROUP];
-    const uint16_t *ksrc[GROUP], *vsrc[GROUP];
+    const char *ksrc[GROUP], *vsrc[GROUP];
+    const uint16_t *kr[GROUP], *vr[GROUP];  /* one head's bf16 K / V row per token */
     int64_t t = 0;
     while (t < tokens) {
         int64_t s0 = j->slots[t], block = s0 / bs, o0 = s0 % bs, n = 1;
         while (t + n < tokens && n < GROUP && j->slots[t + n] == s0 + n && (o0 + n) % GROUP)
             n++;
         for (int64_t i = t + n; i < t + n + GROUP && i < tokens; i++) {
-            const char *kp = (const char *)row_of(j->piece_k, j, layer, i);
-            const char *vp = (const char *)row_of(j->piece_v, j, layer, i);
-            for (int64_t b = 0; b < row * 2; b += 64) {
+            const char *kp = row_of(j->piece_k, j, layer, i);
+            const char *vp = row_of(j->piece_v, j, layer, i);
+            for (int64_t b = 0; b < row * j->bits[i] / 8; b += 64) {
                 __builtin_prefetch(kp + b);
                 __builtin_prefetch(vp + b);
             }
@@ -96,7 +127,26 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
         }
         for (int64_t h = 0; h < heads; h++) {
             for (int64_t i = 0; i < n; i++) {
-                const uint16_t *src = ksrc[i] + h * dim;
+                const int64_t bits = j->bits[t + i];
+                if (bits == 16) {
+                    kr[i] = (const uint16_t *)ksrc[i] + h * dim;
+                    vr[i] = (const uint16_t *)vsrc[i] + h * dim;
+                    continue;
+                }
+                const uint16_t *kp = (const uint16_t *)(intptr_t)j->k_params[t + i] +
+                                     (layer * heads + h) * 2 * dim;
+                const uint16_t *vp = (const uint16_t *)(intptr_t)j->v_params[t + i] +
+                                     layer * j->v_params_stride[t + i] + h * 2;
+                const int64_t code_row = dim * bits / 8;
+                dequant_row(kdq[i], (const uint8_t *)ksrc[i] + h * code_row, bits, dim, kp,
+                            kp + dim, 1);
+                dequant_row(vdq[i], (const uint8_t *)vsrc[i] + h * code_row, bits, dim, vp,
+                            vp + 1, 0);
+                kr[i] = kdq[i];
+                vr[i] = vdq[i];
+            }
+            for (int64_t i = 0; i < n; i++) {
+                const uint16_t *src = kr[i];
                 const float *c = cs[i], *s = cs[i] + half;
                 for (int64_t d = 0; d < half; d++) {
                     float x1 = bf(src[d]), x2 = bf(src[d + half]);
@@ -118,8 +168,8 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
                     stream_lines(k32, kt, GROUP * dim * 2);
                     for (int64_t g = 0; g < dim / 16; g++) {
                         for (int64_t p = 0; p < GROUP / 2; p++) {
-                            const uint16_t *a = vsrc[2 * p] + h * dim + g * 16;
-                            const uint16_t *b = vsrc[2 * p + 1] + h * dim + g * 16;
+                            const uint16_t *a = vr[2 * p] + g * 16;
+                            const uint16_t *b = vr[2 * p + 1] + g * 16;
                             for (int64_t d = 0; d < 16; d++)
                                 vt[p * 16 + d] = (uint32_t)a[d] | ((uint32_t)b[d] << 16);
                         }
@@ -133,9 +183,9 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
                         k32[dp * GROUP + i] = ((const uint32_t *)tile[i])[dp];
                 for (int64_t i = 0; i < n;) {
                     int64_t off = o0 + i;
-                    const uint16_t *a = vsrc[i] + h * dim;
+                    const uint16_t *a = vr[i];
                     if (off % 2 == 0 && i + 1 < n) {
-                        const uint16_t *b = vsrc[i + 1] + h * dim;
+                        const uint16_t *b = vr[i + 1];
                         uint32_t *v32 = (uint32_t *)vdst + (off / 2) * 16;
                         for (int64_t g = 0; g < dim / 16; g++)
                             for (int64_t d = 0; d < 16; d++)
@@ -156,7 +206,7 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
                     for (int64_t i = 0; i < n; i++)
                         kdst[d * bs + o0 + i] = tile[i][d];
                 for (int64_t i = 0; i < n; i++)
-                    memcpy(vdst + (o0 + i) * dim, vsrc[i] + h * dim, dim * sizeof(uint16_t));
+                    memcpy(vdst + (o0 + i) * dim, vr[i], dim * sizeof(uint16_t));
             }
         }
         t += n;
@@ -174,13 +224,14 @@ static int supported(const job_t *j) {
 }
 
 /* inject(layout, layers, heads, dim, rot, block_size, tokens, piece_k, piece_v, layer_stride,
-          slots, positions, cos_sin, scales, caches): addresses are ints (0: no scales) */
+          bits, k_params, v_params, v_params_stride, slots, positions, cos_sin, scales, caches):
+   addresses are ints (0: no scales); the per-token tables are int64 */
 static PyObject *inject(PyObject *self, PyObject *args) {
     job_t j;
-    int64_t layers, a[8];
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim, &j.rot,
-                          &j.block_size, &j.tokens, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5],
-                          &a[6], &a[7]))
+    int64_t layers, a[12];
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim,
+                          &j.rot, &j.block_size, &j.tokens, &a[0], &a[1], &a[2], &a[3], &a[4],
+                          &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11]))
         return NULL;
     if (!supported(&j) || layers < 0) {
         PyErr_SetString(PyExc_ValueError, "fused KV write: unsupported shape or layout");
@@ -189,11 +240,15 @@ static PyObject *inject(PyObject *self, PyObject *args) {
     j.piece_k = (const int64_t *)(intptr_t)a[0];
     j.piece_v = (const int64_t *)(intptr_t)a[1];
     j.layer_stride = (const int64_t *)(intptr_t)a[2];
-    j.slots = (const int64_t *)(intptr_t)a[3];
-    j.positions = (const int64_t *)(intptr_t)a[4];
-    j.cos_sin = (const uint16_t *)(intptr_t)a[5];
-    j.scales = (const uint16_t *)(intptr_t)a[6];
-    j.caches = (const int64_t *)(intptr_t)a[7];
+    j.bits = (const int64_t *)(intptr_t)a[3];
+    j.k_params = (const int64_t *)(intptr_t)a[4];
+    j.v_params = (const int64_t *)(intptr_t)a[5];
+    j.v_params_stride = (const int64_t *)(intptr_t)a[6];
+    j.slots = (const int64_t *)(intptr_t)a[7];
+    j.positions = (const int64_t *)(intptr_t)a[8];
+    j.cos_sin = (const uint16_t *)(intptr_t)a[9];
+    j.scales = (const uint16_t *)(intptr_t)a[10];
+    j.caches = (const int64_t *)(intptr_t)a[11];
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for schedule(static)
     for (int64_t layer = 0; layer < layers; layer++) inject_layer(&j, layer);

@@ -9,7 +9,8 @@ rounds with it: ``ROUND_ONCE`` each rotated element computed in fp32 and rounded
 (vLLM's CPU kernel), else every product and sum rounded to bf16 (torch's bf16 ops; c10's
 BFloat16 arithmetic rounds so too). Products of two bf16 values are exact in fp32, so neither
 depends on fused multiply-adds. Values reach memory only as bf16 values exactly, so the final
-casts round nothing.
+casts round nothing. A token whose rows are integer codes (``bits`` < 16, ``kv_format.py``) is
+dequantised as it is read: code * scale + zero in fp32 (an exact product), rounded to bf16.
 """
 
 from __future__ import annotations
@@ -28,16 +29,42 @@ def _bf16(x):
 
 
 @triton.jit
-def inject_kernel(keys, values, layer_strides, positions, slots, cos_sin, scales, caches,
-                  tokens, block_size, stride_block, stride_head, stride_slot,
-                  HEADS: tl.constexpr, DIM: tl.constexpr, ROT: tl.constexpr,
-                  HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr, REST_P2: tl.constexpr,
-                  DIM_P2: tl.constexpr, SCALED: tl.constexpr, ROUND_ONCE: tl.constexpr):
+def _row(row, heads, d, mask, bits, params, step, DIM: tl.constexpr):
+    """Elements ``d`` of rows ``heads`` (fp32): bf16 rows at ``row``, or b-bit codes there
+    dequantised with (scale, zero) pairs at ``params`` (per head ``2 * step``: one pair per
+    element with ``step`` DIM, else one per head)."""
+    if bits == 16:
+        out = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + heads * DIM + d,
+                      mask=mask).to(tl.float32)
+    else:
+        per = 8 // bits
+        codes = row.to(tl.pointer_type(tl.uint8)) + heads * (DIM * bits // 8) + d // per
+        code = (tl.load(codes, mask=mask).to(tl.int32) >> ((d % per) * bits)) & (
+            (1 << bits) - 1)
+        pair = params + heads * 2 * step + d * (step // DIM)
+        scale = tl.load(pair, mask=mask).to(tl.float32)
+        zero = tl.load(pair + step, mask=mask).to(tl.float32)
+        out = _bf16(code.to(tl.float32) * scale + zero)
+    return out
+
+
+@triton.jit
+def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_params_strides,
+                  positions, slots, cos_sin, scales, caches, tokens, block_size, stride_block,
+                  stride_head, stride_slot, HEADS: tl.constexpr, DIM: tl.constexpr,
+                  ROT: tl.constexpr, HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr,
+                  REST_P2: tl.constexpr, DIM_P2: tl.constexpr, SCALED: tl.constexpr,
+                  ROUND_ONCE: tl.constexpr):
     token = tl.program_id(0)
     layer = tl.program_id(1)
-    offset = tl.load(layer_strides + token) * layer
-    key_row = tl.load(keys + token).to(tl.pointer_type(tl.bfloat16)) + offset
-    value_row = tl.load(values + token).to(tl.pointer_type(tl.bfloat16)) + offset
+    bits = tl.load(bits_of + token)
+    offset = tl.load(layer_strides + token) * layer * tl.where(bits == 16, 2, 1)  # bytes
+    key_row = tl.load(keys + token).to(tl.pointer_type(tl.uint8)) + offset
+    value_row = tl.load(values + token).to(tl.pointer_type(tl.uint8)) + offset
+    key_params = tl.load(k_params + token).to(tl.pointer_type(tl.bfloat16)) + (
+        layer * HEADS * 2 * DIM)
+    value_params = tl.load(v_params + token).to(tl.pointer_type(tl.bfloat16)) + (
+        layer * tl.load(v_params_strides + token))
     position = tl.load(positions + token)
     slot = tl.load(slots + token)
     cache = tl.load(caches + layer).to(tl.pointer_type(tl.bfloat16))
@@ -50,8 +77,8 @@ def inject_kernel(keys, values, layer_strides, positions, slots, cos_sin, scales
     half = ROT // 2
     d = tl.arange(0, HALF_P2)[None, :]
     rotated = (heads < HEADS) & (d < half)
-    x = tl.load(key_row + heads * DIM + d, mask=rotated).to(tl.float32)
-    y = tl.load(key_row + heads * DIM + d + half, mask=rotated).to(tl.float32)
+    x = _row(key_row, heads, d, rotated, bits, key_params, DIM, DIM)
+    y = _row(key_row, heads, d + half, rotated, bits, key_params, DIM, DIM)
     cos = tl.load(cos_sin + position * ROT + d, mask=d < half).to(tl.float32)
     sin = tl.load(cos_sin + position * ROT + half + d, mask=d < half).to(tl.float32)
     if SCALED:
@@ -69,7 +96,7 @@ def inject_kernel(keys, values, layer_strides, positions, slots, cos_sin, scales
     if ROT < DIM:  # the dimensions RoPE leaves alone: scaled only
         r = ROT + tl.arange(0, REST_P2)[None, :]
         rest = (heads < HEADS) & (r < DIM)
-        kept = tl.load(key_row + heads * DIM + r, mask=rest).to(tl.float32)
+        kept = _row(key_row, heads, r, rest, bits, key_params, DIM, DIM)
         if SCALED:
             kept = _bf16(kept * scale)
         tl.store(out + heads * stride_head + r, kept.to(tl.bfloat16), mask=rest)
@@ -77,4 +104,5 @@ def inject_kernel(keys, values, layer_strides, positions, slots, cos_sin, scales
     v = tl.arange(0, DIM_P2)[None, :]
     row = (heads < HEADS) & (v < DIM)
     tl.store(out + heads * stride_head + DIM + v,
-             tl.load(value_row + heads * DIM + v, mask=row), mask=row)
+             _row(value_row, heads, v, row, bits, value_params, 1, DIM).to(tl.bfloat16),
+             mask=row)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from inferscale.contracts.kv_format import PieceLike, as_piece
 from inferscale.kv.rope import ChunkedRope
 
 # (layer index, keys [tokens, heads, head_dim], values, slots [tokens]) -> None
@@ -60,20 +61,20 @@ class ChainWriter:
         """Give the staging buffer back (it is made again at the next write)."""
         self._staging = None
 
-    def write(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              positions: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None,
-              update: CacheUpdate) -> dict[str, float]:
+    def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
+              scales: torch.Tensor | None, update: CacheUpdate) -> dict[str, float]:
         """Write the pieces' tokens, in order, at ``slots``, keys rotated to ``positions`` and
-        multiplied by ``scales [layers, tokens]`` (None: unscaled). Positions, slots and scales
-        may live on the host. Returns the seconds each stage took on the host (on CUDA: to
-        launch it)."""
+        multiplied by ``scales [layers, tokens]`` (None: unscaled); coded pieces are
+        dequantised first. Positions, slots and scales may live on the host. Returns the
+        seconds each stage took on the host (on CUDA: to launch it)."""
         started = time.perf_counter()
-        device = pieces[0][0].device
+        rows = [as_piece(piece).dequantized() for piece in pieces]
+        device = rows[0][0].device
         positions, slots = to_device(positions, device), to_device(slots, device)
         scales = None if scales is None else to_device(scales, device)
-        k, v = self.staged(sum(piece[0].shape[1] for piece in pieces), pieces[0][0])
-        torch.cat([piece[0] for piece in pieces], dim=1, out=k)
-        torch.cat([piece[1] for piece in pieces], dim=1, out=v)
+        k, v = self.staged(sum(row[0].shape[1] for row in rows), rows[0][0])
+        torch.cat([row[0] for row in rows], dim=1, out=k)
+        torch.cat([row[1] for row in rows], dim=1, out=v)
         gathered = time.perf_counter()
         self.rope.rotate_(k, positions, scales)
         rotated = time.perf_counter()

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from inferscale.contracts.kv_format import FORMATS, RAW_BITS, KVPiece, PieceLike, as_piece, quantize
 from inferscale.kv.chain import to_device
 
 _fused_cpu: ModuleType | None
@@ -40,8 +41,8 @@ except ImportError:  # no Triton: the portable path only
 
 log = logging.getLogger("inferscale.kv.fused")
 # (pieces, positions, slots, scales, caches): the portable chain into ``caches`` (one per layer)
-ChainWrite = Callable[[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor,
-                       torch.Tensor, list[torch.Tensor]], object]
+ChainWrite = Callable[[list[PieceLike], torch.Tensor, torch.Tensor, torch.Tensor,
+                       list[torch.Tensor]], object]
 # vLLM CPU attention's ISA -> the cache layout the kernel writes (its LAYOUT_* constants)
 LAYOUTS = {"amx": 0, "vec": 1}
 
@@ -87,29 +88,25 @@ class _FusedWriter:
                 and cos_sin.dtype == torch.bfloat16 and cos_sin.device.type == self.device_type
                 and cos_sin.dim() == 2 and cos_sin.shape[1] == self._rotary_dim)
 
-    def _tables(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                positions: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None,
-                caches: Sequence[torch.Tensor]) -> dict[str, Any] | None:
+    def _tables(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
+                scales: torch.Tensor | None, caches: Sequence[torch.Tensor]
+                ) -> dict[str, Any] | None:
         """Check the request against the caches and build, on the host, per token: the
-        addresses of its stored K and V rows of layer 0, its blob's layer stride (elements),
+        addresses of its stored K and V rows of layer 0, its blob's layer stride (row
+        elements), its rows' bits (16: bf16, else codes) with the addresses of its params,
         its position and slot; then the scales and the caches' addresses. None: no tokens.
         Raises ValueError for anything the kernel cannot take as it is."""
-        layers, _, heads, dim = pieces[0][0].shape
+        stored = [as_piece(piece) for piece in pieces]
+        layers, _, heads, dim = stored[0].shape
         if not all(self._is_cache(cache) for cache in caches):
             raise ValueError(f"fused KV write: a cache is not bf16 on {self.device_type}")
         blocks, cache_heads, block_size, width = caches[0].shape
-        tokens = sum(k.shape[1] for k, _ in pieces)
+        tokens = sum(piece.tokens for piece in stored)
         if len(caches) != layers or (cache_heads, width) != (heads, 2 * dim) or any(
                 c.shape != caches[0].shape or c.stride() != caches[0].stride() for c in caches):
             raise ValueError("fused KV write: caches do not match the pieces")
-        for k, v in pieces:
-            if v.stride(0) != k.stride(0):
-                raise ValueError("fused KV write: a piece's K and V are laid out differently")
-            for part in (k, v):
-                if (part.shape[0], *part.shape[2:]) != (layers, heads, dim) or (
-                        part.dtype != torch.bfloat16 or part.device.type != self.device_type
-                        or part.stride()[1:] != (heads * dim, dim, 1)):
-                    raise ValueError("fused KV write: a piece is not bf16 rows of the layout")
+        for piece in stored:
+            self._check_piece(piece, (layers, heads, dim))
         if positions.numel() != tokens or slots.numel() != tokens:
             raise ValueError("fused KV write: positions and slots must have one per token")
         if positions.device.type != "cpu" or slots.device.type != "cpu":
@@ -122,23 +119,61 @@ class _FusedWriter:
             raise ValueError("fused KV write: a slot lies outside the cache")
         if scales is not None and scales.shape != (layers, tokens):
             raise ValueError("fused KV write: scales must be [layers, tokens]")
-        counts = torch.tensor([k.shape[1] for k, _ in pieces])
+        counts = torch.tensor([piece.tokens for piece in stored])
         within = torch.arange(tokens) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-        row_bytes = heads * dim * 2
 
-        def rows(which: int) -> torch.Tensor:
-            starts = _pointers([piece[which] for piece in pieces])
-            return torch.repeat_interleave(starts, counts) + within * row_bytes
+        def per_token(values: list[int]) -> torch.Tensor:
+            return torch.repeat_interleave(torch.tensor(values, dtype=torch.int64), counts)
 
+        def rows(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+            """Per token: the address of its layer-0 row of its piece's tensor (0: none)."""
+            starts = per_token([0 if t is None else t.data_ptr() for t in tensors])
+            row_bytes = per_token([0 if t is None else t.stride(1) * t.element_size()
+                                   for t in tensors])
+            return starts + within * row_bytes
+
+        v_params = [piece.v_params for piece in stored]
         return {
             "layers": layers, "heads": heads, "dim": dim, "tokens": tokens,
-            "block_size": block_size, "keys": rows(0), "values": rows(1),
-            "strides": torch.repeat_interleave(torch.tensor([k.stride(0) for k, _ in pieces]),
-                                               counts),
+            "block_size": block_size, "keys": rows([piece.k for piece in stored]),
+            "values": rows([piece.v for piece in stored]),
+            "strides": per_token([piece.k.stride(0) for piece in stored]),
+            "bits": per_token([piece.bits for piece in stored]),
+            "k_params": per_token([0 if piece.k_params is None else piece.k_params.data_ptr()
+                                   for piece in stored]),
+            "v_params": rows(v_params),
+            "v_params_strides": per_token([0 if p is None else p.stride(0) for p in v_params]),
             "positions": positions.to(torch.int64).contiguous(),
             "slots": slots.to(torch.int64).contiguous(),
             "scales": None if scales is None else scales.to(torch.bfloat16).contiguous(),
             "caches": _pointers(caches)}
+
+    def _check_piece(self, piece: KVPiece, shape: tuple[int, int, int]) -> None:
+        """Raise ValueError unless the kernel can read ``piece`` as it lies: rows (bf16, or
+        codes with bf16 params) of ``shape`` (layers, heads, head_dim), heads and elements
+        contiguous, K and V alike, on the writer's device, dequantising to bf16."""
+        layers, heads, dim = shape
+        if piece.bits not in FORMATS.values() or piece.dtype != torch.bfloat16:
+            raise ValueError("fused KV write: a piece does not hold bf16 K/V")
+        if piece.v.stride(0) != piece.k.stride(0):
+            raise ValueError("fused KV write: a piece's K and V are laid out differently")
+        width = dim if piece.bits == RAW_BITS else dim * piece.bits // 8
+        row_dtype = torch.bfloat16 if piece.bits == RAW_BITS else torch.uint8
+        for part in (piece.k, piece.v):
+            if (part.shape[0], *part.shape[2:]) != (layers, heads, width) or (
+                    part.dtype != row_dtype or part.device.type != self.device_type
+                    or part.stride()[2:] != (width, 1) or part.stride(1) != heads * width):
+                raise ValueError("fused KV write: a piece is not rows of the layout")
+        if piece.bits == RAW_BITS:
+            return
+        k_params, v_params = piece.k_params, piece.v_params
+        if k_params is None or v_params is None or not (
+                k_params.shape == (layers, heads, 2, dim) and k_params.is_contiguous()
+                and v_params.shape == (layers, piece.tokens, heads, 2)
+                and v_params.stride()[1:] == (heads * 2, 2, 1)
+                and k_params.dtype == v_params.dtype == torch.bfloat16
+                and k_params.device.type == v_params.device.type == self.device_type):
+            raise ValueError("fused KV write: a coded piece's params do not fit its rows")
 
 
 class FusedCpuWriter(_FusedWriter):
@@ -167,20 +202,22 @@ class FusedCpuWriter(_FusedWriter):
         writer = cls(LAYOUTS[isa], cos_sin.contiguous(), rotary_dim)
         return writer if writer._takes(layers, num_layers) else None
 
-    def write(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              positions: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None,
-              caches: Sequence[torch.Tensor]) -> None:
+    def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
+              scales: torch.Tensor | None, caches: Sequence[torch.Tensor]) -> None:
         """Write the pieces' tokens, in order, at ``slots`` with keys rotated to ``positions``
-        and multiplied by ``scales [layers, tokens]`` (None: unscaled); ``caches[i]`` is layer
-        i's. Raises ValueError for anything the kernel cannot take as it is."""
+        and multiplied by ``scales [layers, tokens]`` (None: unscaled), coded rows dequantised;
+        ``caches[i]`` is layer i's. Raises ValueError for anything the kernel cannot take as
+        it is."""
         t = self._tables(pieces, positions, slots, scales, caches)
         if t is None:
             return
         assert _fused_cpu is not None  # writers are used only where the kernel is built
         _fused_cpu.inject(self._layout, t["layers"], t["heads"], t["dim"], self._rotary_dim,
                         t["block_size"], t["tokens"], t["keys"].data_ptr(),
-                        t["values"].data_ptr(), t["strides"].data_ptr(),
-                        t["slots"].data_ptr(), t["positions"].data_ptr(),
+                        t["values"].data_ptr(), t["strides"].data_ptr(), t["bits"].data_ptr(),
+                        t["k_params"].data_ptr(), t["v_params"].data_ptr(),
+                        t["v_params_strides"].data_ptr(), t["slots"].data_ptr(),
+                        t["positions"].data_ptr(),
                         self._cos_sin.data_ptr(),
                         0 if t["scales"] is None else t["scales"].data_ptr(),
                         t["caches"].data_ptr())
@@ -223,30 +260,30 @@ class FusedTritonWriter(_FusedWriter):
         return [writer for writer in cls.roundings(cos_sin, rotary_dim)
                 if writer._takes(layers, num_layers)]
 
-    def write(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              positions: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None,
-              caches: Sequence[torch.Tensor]) -> None:
+    def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
+              scales: torch.Tensor | None, caches: Sequence[torch.Tensor]) -> None:
         """As ``FusedCpuWriter.write``; positions, slots and scales on the host."""
         t = self._tables(pieces, positions, slots, scales, caches)
         if t is None:
             return
         tokens, layers = t["tokens"], t["layers"]
-        ints = torch.cat([t[name] for name in ("keys", "values", "strides", "positions", "slots",
-                                               "caches")])
+        per_token = ("keys", "values", "strides", "bits", "k_params", "v_params",
+                     "v_params_strides", "positions", "slots")
+        ints = torch.cat([t[name] for name in (*per_token, "caches")])
         scaled = t["scales"] is not None
         packed = to_device(torch.cat([ints.view(torch.uint8)] + (
             [t["scales"].flatten().view(torch.uint8)] if scaled else [])), caches[0].device)
         on_device = packed[:ints.numel() * 8].view(torch.int64)  # one copy for every table
-        keys, values, strides, positions, slots = on_device[:5 * tokens].view(5, tokens)
-        scales = packed[ints.numel() * 8:].view(torch.bfloat16) if scaled else positions
+        tables = on_device[:len(per_token) * tokens].view(len(per_token), tokens)
+        scales = packed[ints.numel() * 8:].view(torch.bfloat16) if scaled else tables[0]
         heads, dim, rotary = t["heads"], t["dim"], self._rotary_dim
         stride_block, stride_head, stride_slot = caches[0].stride()[:3]
         assert _fused_triton is not None  # writers are used only where Triton imports
         _fused_triton.inject_kernel[(tokens, layers)](
-            keys, values, strides, positions, slots, self._cos_sin, scales,
-            on_device[5 * tokens:], tokens, t["block_size"], stride_block, stride_head,
-            stride_slot, HEADS=heads, DIM=dim, ROT=rotary, HEADS_P2=_pow2(heads),
-            HALF_P2=_pow2(rotary // 2), REST_P2=_pow2(max(dim - rotary, 1)), DIM_P2=_pow2(dim),
+            *tables, self._cos_sin, scales, on_device[len(per_token) * tokens:], tokens,
+            t["block_size"], stride_block, stride_head, stride_slot, HEADS=heads, DIM=dim,
+            ROT=rotary, HEADS_P2=_pow2(heads), HALF_P2=_pow2(rotary // 2),
+            REST_P2=_pow2(max(dim - rotary, 1)), DIM_P2=_pow2(dim),
             SCALED=scaled, ROUND_ONCE=self.round_once)
 
 
@@ -261,24 +298,27 @@ def fused_writers(layers: Sequence[tuple[int, Any]], num_layers: int, cos_sin: t
 
 def writes_like(writer: FusedCpuWriter | FusedTritonWriter, chain: ChainWrite,
                 kv_shape: tuple[int, int, int], block_size: int) -> bool:
-    """Both write two random bf16 pieces (one not starting at its blob's first token), scaled,
-    at positions across a block boundary, into two small caches on the writer's device: same
-    bits? ``kv_shape``: (layers, KV heads, head_dim)."""
+    """Both write random pieces (bf16 rows, one not starting at its blob's first token, and
+    int4 and int8 codes), scaled, at positions across block boundaries, into two small caches
+    on the writer's device: same bits? ``kv_shape``: (layers, KV heads, head_dim)."""
     gen = torch.Generator().manual_seed(0)
     num_layers, heads, dim = kv_shape
     device, dtype = writer._cos_sin.device, torch.bfloat16
 
-    def random(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device, dtype)
+    def random(tokens: int) -> torch.Tensor:
+        return torch.randn(num_layers, tokens, heads, dim, generator=gen).to(device, dtype)
 
-    pieces = [(random(num_layers, 7, heads, dim)[:, 2:], random(num_layers, 7, heads, dim)
-               [:, 2:]), (random(num_layers, block_size, heads, dim),
-                          random(num_layers, block_size, heads, dim))]
-    tokens = 5 + block_size
+    pieces: list[PieceLike] = [
+        (random(7)[:, 2:], random(7)[:, 2:]),
+        quantize(random(block_size + 1), random(block_size + 1), "int4").sliced(1),
+        quantize(random(3), random(3), "int8")]
+    tokens = 8 + block_size
     positions = torch.arange(3, 3 + tokens)
-    slots = torch.tensor([1, 0])[positions // block_size] * block_size + positions % block_size
+    blocks = (3 + tokens) // block_size + 1
+    order = torch.randperm(blocks, generator=gen)
+    slots = order[positions // block_size] * block_size + positions % block_size
     scales = (torch.rand(num_layers, tokens, generator=gen) + 0.5).to(dtype)
-    caches = [[torch.zeros((2, heads, block_size, 2 * dim), dtype=dtype, device=device)
+    caches = [[torch.zeros((blocks, heads, block_size, 2 * dim), dtype=dtype, device=device)
                for _ in range(num_layers)] for _ in range(2)]
     writer.write(pieces, positions, slots, scales, caches[0])
     chain(pieces, positions, slots, scales, caches[1])

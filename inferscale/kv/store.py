@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,7 @@ import torch
 from cachetools import LRUCache
 
 from inferscale.contracts.blob import KVBlob, decode_blob, encode_blob
+from inferscale.contracts.kv_format import RAW
 from inferscale.contracts.plan import LEAD
 from inferscale.kv.durable import BlobMissing, Durable, KVBlobError, open_durable
 from inferscale.kv.host_arena import HostArena, pinned_buffer
@@ -196,9 +197,10 @@ class KVStore:
         return self.durable.exists(self.location_for(name))
 
     def put(self, name: str, k: torch.Tensor, v: torch.Tensor, token_ids: list[int],
-            window: int) -> StoredBlob:
-        """Write a blob durably and atomically; identical rewrites are harmless."""
-        data, checksum = encode_blob(k, v, token_ids, self.fingerprint, window)
+            window: int, kv_format: str = RAW) -> StoredBlob:
+        """Write a blob durably and atomically, K/V stored in ``kv_format``; identical rewrites
+        are harmless."""
+        data, checksum = encode_blob(k, v, token_ids, self.fingerprint, window, kv_format)
         location = self.location_for(name)
         self.durable.write(location, data)
         return StoredBlob(location=location, nbytes=len(data), checksum=checksum)
@@ -238,8 +240,7 @@ class KVStore:
         if self.hot is None:
             return blob
         sources.append(blob)
-        on_device = replace(blob, k=blob.k.to(self.device, non_blocking=True),
-                            v=blob.v.to(self.device, non_blocking=True))
+        on_device = blob.to(self.device, non_blocking=True)
         self.hot.put(location, on_device)
         return on_device
 

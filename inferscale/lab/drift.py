@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from inferscale.contracts.kv_format import bits_of, quantize
 from inferscale.kv.encoder import EncodeItem, FactEncoder
 from inferscale.kv.key_scales import KeyScales, key_factor
 from inferscale.kv.rope import ChunkedRope
@@ -81,6 +82,7 @@ class Memory:
 
 
 SCALED = "+scales"  # strategy suffix: the facts' keys are scaled by the key scales
+STORED = "%"  # strategy suffix: %<format>[:<lead format>], the facts' K/V stored so
 
 
 class Strategy:
@@ -89,12 +91,29 @@ class Strategy:
     the facts' keys are scaled by the key scales (``scaled``)."""
 
     def __init__(self, name: str, contexts: Callable[[int, Context], list[Context]],
-                 recompute: str = "", scaled: bool = False):
+                 recompute: str = "", scaled: bool = False, formats: str = ""):
         name += SCALED if scaled else ""
-        self.name = f"{name}/{recompute}" if recompute else name
+        name = f"{name}/{recompute}" if recompute else name
+        self.name = f"{name}{STORED}{formats}" if formats else name
         self.contexts = contexts
         self.recompute = recompute
         self.scaled = scaled
+        self.formats: tuple[str, str] | None = None
+        if formats:
+            body, _, lead = formats.partition(":")
+            self.formats = body, lead or body
+            for kv_format in self.formats:
+                bits_of(kv_format)  # raises for an unknown format
+
+    def stored(self, kv: KV, lead: bool) -> KV:
+        """``kv`` as the server reads it back: in bf16, stored in the strategy's format (the
+        lead format for a lead encoding); as computed where the strategy names none."""
+        if self.formats is None:
+            return kv
+        piece = quantize(kv[0].to(torch.bfloat16), kv[1].to(torch.bfloat16),
+                         self.formats[int(lead)])
+        k, v = piece.dequantized()
+        return k.float(), v.float()
 
     def plan(self, order: Sequence[int]) -> list[tuple[int, list[Context]]]:
         """(fact, the contexts it is encoded after) for facts served in ``order``."""
@@ -140,8 +159,10 @@ def _select(memory: Memory, fact: int, prefix: Context, candidates: list[Context
 
 def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int = 0) -> Strategy:
     """A strategy from ``name``, ``name@w``, either with ``+scales`` (key scales) and/or
-    ``/<selector>``; a ``-pos0`` suffix gives the fact served first (right after the preamble)
-    its preamble-only encoding instead."""
+    ``/<selector>``, then optionally ``%<format>[:<lead format>]`` (the K/V stored in that
+    format, ``kv_format.py``); a ``-pos0`` suffix gives the fact served first (right after the
+    preamble) its preamble-only encoding instead (its lead encoding)."""
+    spec, _, formats = spec.partition(STORED)
     spec, _, recompute = spec.partition("/")
     if recompute:
         parse_selector(recompute)
@@ -199,8 +220,9 @@ def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int =
                          "(each also with -pos0)")
     contexts = table[base]
     if base != name:  # the first fact served gets its preamble-only encoding (exact there)
-        return Strategy(label, lambda f, p: contexts(f, p) if p else [()], recompute, scaled)
-    return Strategy(label, contexts, recompute, scaled)
+        return Strategy(label, lambda f, p: contexts(f, p) if p else [()], recompute, scaled,
+                        formats)
+    return Strategy(label, contexts, recompute, scaled, formats)
 
 
 SELECTORS = ("first", "tail", "blend", "random")
@@ -497,7 +519,8 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
             for prompt, plan, (ref_log, ref_tokens) in zip(prompts, plans[n], refs, strict=True):
                 keys = {(f, c) for f, cs in plan for c in cs}
                 enc.ensure(keys)  # question by question: per-question contexts stay bounded
-                facts = [enc.combined(f, cs) for f, cs in plan]
+                facts = [job.stored(enc.combined(f, cs), lead=pos == 0 and cs == [()])
+                         for pos, (f, cs) in enumerate(plan)]
                 uses.subtract(keys)
                 enc.drop({key for key in keys if uses[key] == 0 and key not in later})
                 memory_span = memory_kv(preamble, facts)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale.db.deletion import delete_user, existing_fact_ids
+from inferscale.db.deletion import delete_user, fact_ids_owning_blobs
 from inferscale.kv.store import KVStore
 
 
@@ -39,9 +39,10 @@ async def forget_user(engine: AsyncEngine, store: KVStore, user_id: str) -> Forg
 
 async def sweep_orphan_blobs(engine: AsyncEngine, store: KVStore) -> int:
     """Remove durable blobs whose fact no longer exists (an encode that finished after its
-    user was forgotten, or whose rows were rolled back and deleted); returns how many."""
+    user was forgotten, or whose rows were rolled back and deleted) or whose KV was evicted
+    (an eviction that died before deleting them); returns how many."""
     blobs = await asyncio.to_thread(lambda: list(store.fact_blobs()))
     async with engine.connect() as conn:
-        alive = await existing_fact_ids(conn, sorted({fact_id for fact_id, _ in blobs}))
+        alive = await fact_ids_owning_blobs(conn, sorted({fact_id for fact_id, _ in blobs}))
     orphans = [location for fact_id, location in blobs if fact_id not in alive]
     return await asyncio.to_thread(store.delete, orphans)

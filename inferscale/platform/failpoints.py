@@ -14,7 +14,8 @@ Points: ``ingest.before_db_commit``, ``ingest.before_offset_commit``, ``extract.
 the blob written to its temp file, not synced; on S3: before the PUT), ``kv.before_rename``
 (temp file synced, not yet renamed; on S3: before the PUT), ``encode.before_forward`` (a
 batch about to enter the model; its text: the facts' texts), ``encode.before_db_commit``
-(blobs in place, their rows not yet committed).
+(blobs in place, their rows not yet committed), ``kv.evict.before_delete`` (evicted facts'
+rows committed, their blobs not yet deleted).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 
 POINTS = ("ingest.before_db_commit", "ingest.before_offset_commit", "extract.before_model",
           "extract.before_db_commit", "kv.mid_write", "kv.before_rename",
-          "encode.before_forward", "encode.before_db_commit")
+          "encode.before_forward", "encode.before_db_commit", "kv.evict.before_delete")
 
 _armed: dict[str, tuple[str, float, str]] = {}  # name -> (action, probability, needle)
 log = logging.getLogger(__name__)

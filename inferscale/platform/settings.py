@@ -14,6 +14,9 @@ from urllib.parse import unquote, urlsplit
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# the names of ``inferscale.contracts.kv_format.FORMATS`` (settings import no torch)
+KVFormat = Literal["raw", "int8", "int4", "int2"]
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
@@ -129,6 +132,23 @@ class Settings(BaseSettings):
     # the server injects it for the fact it serves first (right after the preamble, where that
     # encoding is exact) unless a request says "lead": false. Twice the KV bytes per fact.
     lead_encoding: bool = True
+    # How facts' K/V are stored at rest (``contracts/kv_format.py``): "raw" (the model's KV
+    # dtype as encoded) or integer codes, keys per channel and values per token ("int8",
+    # "int4", "int2"), dequantised inside the fused write. Each blob records its format, so a
+    # store may hold several: a change applies to the facts encoded after it.
+    kv_format: KVFormat = "raw"
+    lead_kv_format: KVFormat | None = None  # the lead encodings' format (None: kv_format)
+    # KV budget of the durable tier, in bytes (None: none). The encode stage evicts the KV of
+    # the least recently served users until the tier holds kv_budget_headroom less; their
+    # facts keep text and embeddings, are served as text, and are encoded again (before the
+    # backlog) once a request wants them. Per user: each keeps their most recently encoded
+    # facts within the budget.
+    kv_budget_bytes: int | None = Field(default=None, ge=0)
+    kv_user_budget_bytes: int | None = Field(default=None, ge=0)
+    kv_budget_headroom: float = Field(default=0.05, ge=0, lt=1, allow_inf_nan=False)
+    # No KV of a user served within this many seconds is evicted (no plan in flight names it).
+    kv_evict_grace_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
+    kv_evict_interval_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     # Key scales (``key_scales.py``): a per-layer temperature for the attention paid to injected
     # facts, fitted by ``inferscale calibrate``. "auto": the file shipped for the served model
     # (none: no scaling), "off", or the path of a scales file.

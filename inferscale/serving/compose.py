@@ -6,8 +6,11 @@ any fact without usable KV as text)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
+
+from cachetools import TTLCache
 
 from inferscale.contracts.layout import PromptPlan
 from inferscale.contracts.plan import PREAMBLE, Plan, Segment, lead_name
@@ -17,7 +20,9 @@ from inferscale.serving.metrics import FRONTEND_METRICS as M
 from inferscale.serving.metrics import KV_METRICS
 from inferscale.serving.request_options import MemoryOptions
 
+log = logging.getLogger("inferscale.serving.compose")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+SERVED_STAMP_S = 60.0  # how often an owner's "served at" is written, at most
 TEXT_PART_TYPES = ("text", "input_text")
 
 
@@ -57,6 +62,30 @@ class MemoryRuntime:
         self.engine = create_engine(settings=settings)
         self.index = OwnerIndex(self.engine, settings.retrieval_index_bytes)
         self.store = KVStore.from_settings(settings, self.fingerprint, host_bytes=0)
+        self._served: TTLCache[str, bool] = TTLCache(maxsize=1 << 17, ttl=SERVED_STAMP_S)
+        self._noting: set[asyncio.Task[None]] = set()
+
+    def note_served(self, owner: str, textual_fact_ids: list[int]) -> None:
+        """In the background, off the request: stamp the owner's memory as served (at most
+        every ``SERVED_STAMP_S``, well within the eviction grace) and ask for the served facts
+        that lack KV to be encoded again if theirs was evicted (``db/kv_budget.py``)."""
+        if owner in self._served and not textual_fact_ids:
+            return
+        self._served[owner] = True
+
+        async def note() -> None:
+            from inferscale.db.kv_budget import note_served
+
+            try:
+                async with self.engine.begin() as conn:
+                    if wanted := await note_served(conn, owner, textual_fact_ids):
+                        M.reencodes_wanted.inc(wanted)
+            except Exception as exc:  # noqa: BLE001 - bookkeeping: the answer is unaffected
+                log.warning("cannot record that %s's memory was served: %s", owner, exc)
+
+        task = asyncio.get_running_loop().create_task(note())
+        self._noting.add(task)
+        task.add_done_callback(self._noting.discard)
 
 
 def _text(content: object) -> str:
@@ -103,6 +132,8 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
              await retrieve(rt.index, rt.embedder, owner, query, options.k))
     retrieval_ms = (time.perf_counter() - started) * 1000
     M.retrieval_seconds.observe(retrieval_ms / 1000)
+    if facts:
+        rt.note_served(owner, [f.id for f in facts if not f.kv_location])
     if options.order == "time":
         facts.sort(key=lambda f: f.id)
     else:

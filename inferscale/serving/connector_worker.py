@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from inferscale.contracts.kv_format import KVPiece, PieceLike
 from inferscale.contracts.plan import PREAMBLE
 from inferscale.kv.chain import ChainWriter
 from inferscale.kv.fused import FusedCpuWriter, FusedTritonWriter, first_exact, fused_writers
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("inferscale.serving.connector")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 _UNDECIDED = object()
-Piece = tuple[torch.Tensor, torch.Tensor, str]  # K, V [layers, tokens, heads, dim], segment
+Piece = tuple[KVPiece, str]  # K/V as stored (raw rows or codes), its segment's name
 
 
 class ConnectorWorker:
@@ -63,7 +64,7 @@ class ConnectorWorker:
         with the portable chain. Positions, slots and scales are built on the host; the chain
         moves them to the device without waiting for it."""
         started = time.perf_counter()
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pieces: list[KVPiece] = []
         positions, slots = [], []
         runs: list[tuple[torch.Tensor | None, int]] = []  # per piece: its key scales, tokens
         for spec in loads:
@@ -76,7 +77,7 @@ class ConnectorWorker:
                 KV_METRICS.load_failures.labels(getattr(exc, "reason", "mismatch")).inc()
                 self._failed_blocks |= self._blocks_of(spec)
                 continue
-            pieces += [(k, v) for k, v, _ in spec_pieces]
+            pieces += [piece for piece, _ in spec_pieces]
             positions.append(spec_positions)
             slots.append(spec_slots)
             runs += self._scale_runs(spec, spec_pieces)
@@ -84,7 +85,7 @@ class ConnectorWorker:
             return
         layers = self._attention_layers(forward_context)
         scaled = any(run_scales is not None for run_scales, _ in runs)
-        scales = key_factor(runs, self.kv_shape[0], dtype=pieces[0][0].dtype) if scaled else None
+        scales = key_factor(runs, self.kv_shape[0], dtype=pieces[0].dtype) if scaled else None
         slot_mapping, all_positions = torch.cat(slots), torch.cat(positions)
         writer = self.fused_writer(layers)
         paged_in = time.perf_counter()
@@ -119,7 +120,7 @@ class ConnectorWorker:
         """The fused writer for these layers, decided once: the first whose kernel applies and,
         on a probe, writes exactly what the portable chain writes (``fused.first_exact``)."""
         if self._writer is _UNDECIDED:
-            def chain(pieces: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+            def chain(pieces: list[PieceLike], positions: torch.Tensor,
                       slots: torch.Tensor, scales: torch.Tensor | None,
                       caches: list[torch.Tensor]) -> None:
                 self._chain.write(pieces, positions, slots, scales, _cache_update(layers, caches))
@@ -140,7 +141,7 @@ class ConnectorWorker:
         if spec.key_scales > 0 and self.key_scales is not None:
             scales = self.key_scales.for_facts(
                 sum(segment.name != PREAMBLE for segment in spec.segments)) ** spec.key_scales
-        return [(None if name == PREAMBLE else scales, k.shape[1]) for k, _, name in pieces]
+        return [(None if name == PREAMBLE else scales, piece.tokens) for piece, name in pieces]
 
     def _pieces(self, spec: LoadSpec) -> list[Piece]:
         """Views of the segments' blobs covering positions [start, end), checked against the
@@ -152,13 +153,11 @@ class ConnectorWorker:
         for segment, blob in zip(segments, blobs, strict=True):
             if not segment.matches(blob.token_ids):
                 raise ValueError(f"blob {segment.name} does not match the prompt tokens")
-            if blob.k.dtype != self.dtype or (blob.k.shape[0], *blob.k.shape[2:]) != (
-                    self.kv_shape):
-                raise ValueError(f"blob {segment.name} is {blob.k.dtype} {tuple(blob.k.shape)},"
+            if blob.dtype != self.dtype or (blob.shape[0], *blob.shape[2:]) != self.kv_shape:
+                raise ValueError(f"blob {segment.name} is {blob.dtype} {blob.shape},"
                                  f" not the serving model's layout")
-            skip = max(0, spec.start - segment.start)
-            pieces.append((blob.k[:, skip:], blob.v[:, skip:], segment.name))
-        if sum(piece[0].shape[1] for piece in pieces) != spec.end - spec.start:
+            pieces.append((blob.piece(max(0, spec.start - segment.start)), segment.name))
+        if sum(piece.tokens for piece, _ in pieces) != spec.end - spec.start:
             raise ValueError("the plan's segments do not cover the claimed positions")
         return pieces
 

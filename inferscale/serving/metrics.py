@@ -53,6 +53,7 @@ class _FrontendMetrics:
     prefilled_memory_tokens: Counter
     fallbacks: Counter
     retrieval_seconds: Histogram
+    reencodes_wanted: Counter
     purged_blobs: Counter
 
 
@@ -64,6 +65,8 @@ FRONTEND_METRICS = _FrontendMetrics(
                                     "Memory tokens prefilled as text"),
     fallbacks=Counter("inferscale_fallbacks", "Facts or requests served as text", ["reason"]),
     retrieval_seconds=Histogram("inferscale_retrieval_seconds", "Embed + top-k latency"),
+    reencodes_wanted=Counter("inferscale_kv_reencodes_wanted",
+                             "Served facts whose KV was evicted, marked to be encoded again"),
     purged_blobs=Counter("inferscale_purged_blobs",
                          "Invalidated blobs dropped from the workers' host/device tiers"),
 )

@@ -254,10 +254,10 @@ def test_a_missing_bucket_fails_at_open(s3_endpoint, tmp_path):
 
 
 async def test_liveness_of_more_ids_than_a_query_takes_parameters(engine):
-    from inferscale.db.deletion import existing_fact_ids
+    from inferscale.db.deletion import fact_ids_owning_blobs
 
     async with engine.connect() as conn:
-        assert await existing_fact_ids(conn, range(10**15, 10**15 + 40_000)) == set()
+        assert await fact_ids_owning_blobs(conn, range(10**15, 10**15 + 40_000)) == set()
 
 
 def test_listing_every_model_and_fact(store):

@@ -101,6 +101,45 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     assert _max_diff(logprobs_bad, logprobs_t) > 1e-2
 
 
+async def _restore(engine, store, fact_id: int, k, v, token_ids, kv_format: str) -> str:
+    """Store the fact's blob anew in ``kv_format`` and record its checksum."""
+    stored = store.put(str(fact_id), k, v, token_ids, window=0, kv_format=kv_format)
+    async with engine.begin() as conn:
+        await conn.execute(facts.update().where(facts.c.id == fact_id).values(
+            kv_checksum=stored.checksum))
+    return stored.checksum
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "int2"])
+async def test_a_coded_blob_injects_exactly_its_dequantised_values(
+        tiny_served, settings, tiny_models, engine, embedder, kv_format):
+    """Served through vLLM, a coded blob answers exactly as a raw blob holding its
+    dequantised K/V: what the codes lose is the format's, not the path's."""
+    encoder, store = _encoder_and_store(tiny_served, tiny_models)
+    question = "What does Sam do for a living?"
+    kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
+    user = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                       f"I am a marine biologist at the {kv_format} city aquarium.")
+    async with engine.connect() as conn:
+        fact_id = (await conn.execute(select(facts.c.id).where(
+            facts.c.user_id == user))).scalar_one()
+    blob = store.load(str(fact_id))
+    checksum = await _restore(engine, store, fact_id, blob.k, blob.v, blob.token_ids, kv_format)
+    coded = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    assert coded.headers["x-inferscale-facts-injected"] == "1"
+    k, v = store.load(str(fact_id), checksum).dequantized()
+    await _restore(engine, store, fact_id, k, v, blob.token_ids, "raw")
+    plain = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    assert plain.headers["x-inferscale-facts-injected"] == "1"
+    tokens_c, logprobs_c = _tokens_and_logprobs(coded)
+    tokens_p, logprobs_p = _tokens_and_logprobs(plain)
+    assert tokens_c == tokens_p and _max_diff(logprobs_c, logprobs_p) < 1e-6
+    if kv_format == "int2":  # control: the codes are not the encoded values
+        await _restore(engine, store, fact_id, blob.k, blob.v, blob.token_ids, "raw")
+        exact = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+        assert _max_diff(_tokens_and_logprobs(exact)[1], logprobs_c) > 1e-3
+
+
 async def test_the_fact_served_first_is_exact_through_its_lead_encoding(
         tiny_served, settings, tiny_models, engine, embedder):
     encoder, store = _encoder_and_store(tiny_served, tiny_models)

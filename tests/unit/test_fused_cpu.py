@@ -15,6 +15,7 @@ from kvcases import kv_case
 from transformers import LlamaConfig
 from vllm import _custom_ops as ops
 
+from inferscale.contracts.kv_format import FORMATS, as_piece
 from inferscale.kv import fused as kvwrite
 from inferscale.kv.fused import LAYOUTS, FusedCpuWriter
 from inferscale.kv.rope import ChunkedRope
@@ -55,8 +56,9 @@ class _CpuImpl:
 
 
 def _chain(pieces, positions, slots, scales, caches, rope, isa):
-    k = torch.cat([piece[0] for piece in pieces], dim=1)
-    v = torch.cat([piece[1] for piece in pieces], dim=1)
+    rows = [as_piece(piece).dequantized() for piece in pieces]
+    k = torch.cat([row[0] for row in rows], dim=1)
+    v = torch.cat([row[1] for row in rows], dim=1)
     rope.rotate_(k, positions, scales)
     for layer, cache in enumerate(caches):
         _CpuImpl().do_kv_cache_update(SimpleNamespace(isa=isa), k[layer], v[layer], cache, slots)
@@ -68,14 +70,17 @@ def _chain(pieces, positions, slots, scales, caches, rope, isa):
        dim=st.sampled_from([32, 64, 128]), partial=st.sampled_from([1.0, 0.5]),
        block_size=st.sampled_from([32, 128]),
        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
-       start=st.integers(0, 300), scaled=st.booleans(), seed=st.integers(0, 2**16))
+       start=st.integers(0, 300), scaled=st.booleans(), seed=st.integers(0, 2**16),
+       formats=st.none() | st.lists(st.sampled_from(sorted(FORMATS)), min_size=4, max_size=4))
 def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_size, lengths,
-                                                start, scaled, seed):
+                                                start, scaled, seed, formats):
+    """Raw rows and every coded format, mixed in one write (a store may hold several)."""
     gen = torch.Generator().manual_seed(seed)
     layers = 3
     skips = torch.randint(0, 4, (len(lengths),), generator=gen).tolist()
     pieces, positions, slots, scales, shape = kv_case(gen, layers, heads, dim, block_size,
-                                                    lengths, skips, start, scaled)
+                                                    lengths, skips, start, scaled,
+                                                    formats=formats and formats[:len(lengths)])
     rope = _rope(layers, heads, dim, partial)
     ours = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
     theirs = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvcases import kv_case
 from transformers import LlamaConfig
 
+from inferscale.contracts.kv_format import FORMATS
 from inferscale.kv.chain import ChainWriter
 from inferscale.kv.fused import FusedTritonWriter, first_exact
 from inferscale.kv.rope import ChunkedRope
@@ -42,8 +43,9 @@ def _rope(heads: int, dim: int, partial: float, vllm_kernel: bool) -> ChunkedRop
     return rope
 
 
-def _case(gen, heads, dim, lengths, skips, start, block_size, scaled):
-    return kv_case(gen, 2, heads, dim, block_size, lengths, skips, start, scaled)
+def _case(gen, heads, dim, lengths, skips, start, block_size, scaled, formats=None):
+    return kv_case(gen, 2, heads, dim, block_size, lengths, skips, start, scaled,
+                   formats=formats)
 
 
 def _zeros(shape):
@@ -53,13 +55,16 @@ def _zeros(shape):
 @settings(max_examples=12, deadline=None)
 @given(heads=st.integers(1, 3), dim=st.sampled_from([32, 64]), partial=st.sampled_from([1.0, 0.5]),
        lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), start=st.integers(0, 30),
-       block_size=st.sampled_from([1, 16]), scaled=st.booleans(), seed=st.integers(0, 99))
+       block_size=st.sampled_from([1, 16]), scaled=st.booleans(), seed=st.integers(0, 99),
+       formats=st.none() | st.lists(st.sampled_from(sorted(FORMATS)), min_size=3, max_size=3))
 def test_the_triton_writer_writes_the_chains_bits(heads, dim, partial, lengths, start,
-                                                  block_size, scaled, seed):
+                                                  block_size, scaled, seed, formats):
+    """Raw rows and every coded format, mixed in one write."""
     gen = torch.Generator().manual_seed(seed)
     skips = [seed % 3] * len(lengths)
     pieces, positions, slots, scales, shape = _case(gen, heads, dim, lengths, skips, start,
-                                                    block_size, scaled)
+                                                    block_size, scaled,
+                                                    formats and formats[:len(lengths)])
     kernels = [False, True] if _rope(1, 32, 1.0, True)._kernel is not None else [False]
     for vllm_kernel in kernels:  # torch's bf16 ops round each op; vLLM's CPU kernel once
         rope = _rope(heads, dim, partial, vllm_kernel)

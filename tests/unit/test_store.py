@@ -156,3 +156,28 @@ def test_a_store_without_host_tier_reuses_page_in_memory(tmp_path):
     again = store.get(stored.location, stored.checksum)
     assert again.k.data_ptr() == address and torch.equal(again.v, v)
     assert KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0, arena_bytes=0).arena is None
+
+
+def test_one_store_serves_blobs_of_every_format_and_keeps_them_coded(tmp_path):
+    """Blobs record their format: a store reads raw and coded blobs side by side (a format
+    change applies to facts encoded after it), and its host tier holds the coded bytes."""
+    from typing import get_args
+
+    from inferscale.contracts.kv_format import FORMATS
+    from inferscale.platform.settings import KVFormat
+
+    assert set(get_args(KVFormat)) == set(FORMATS)  # the setting names every format
+    store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    k, v = _kv(tokens=8)
+    stored = {f: store.put(f"1{n}", k, v, list(range(8)), window=0, kv_format=f)
+              for n, f in enumerate(FORMATS)}
+    for n, (kv_format, blob_info) in enumerate(stored.items()):
+        blob = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20).load(
+            f"1{n}", blob_info.checksum)
+        assert blob.shape == tuple(k.shape) and blob.dtype == torch.bfloat16
+        got_k, got_v = blob.dequantized()
+        tolerance = {"raw": 0.0, "int8": 0.05, "int4": 0.6, "int2": 2.5}[kv_format]
+        assert (got_k.float() - k.float()).abs().max() <= tolerance
+        assert (got_v.float() - v.float()).abs().max() <= tolerance
+    raw_bytes = store.load("10").nbytes
+    assert store.load("12").nbytes < raw_bytes / 2  # int4 (and its params), as held in memory

@@ -1,0 +1,162 @@
+"""The KV budget on the real Postgres: eviction takes the least recently served users' KV (never
+a user served within the grace period), keeps text and embeddings, deletes the blobs; a request
+that meets an evicted fact gets it encoded again before the backlog; an eviction cut short
+between rows and blobs loses nothing and leaves no stale KV."""
+
+import uuid
+from datetime import timedelta
+
+import pytest
+import torch
+from sqlalchemy import func, select, text
+
+from helpers import ingest_and_encode, sample_turns
+from inferscale.db.encode_queue import claim_pending_facts, count_pending_facts
+from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes, note_served
+from inferscale.db.tables import facts, memory_activity
+from inferscale.kv.durable import LocalDir
+from inferscale.kv.encoder import FactEncoder
+from inferscale.kv.store import KVStore
+from inferscale.pipeline.forget import forget_user
+from inferscale.platform import failpoints
+from workers.encode import EncodeWorker
+
+FACTS_EACH = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tiny_models):
+    return FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+
+
+async def _users(settings, engine, embedder, encoder, store, *names):
+    users = [f"{name}-{uuid.uuid4().hex[:6]}" for name in names]
+    await ingest_and_encode(settings, engine, embedder,
+                            [t for u in users for t in sample_turns(u)[:FACTS_EACH]],
+                            encoder, store)
+    return users
+
+
+async def _rows(engine, user):
+    async with engine.connect() as conn:
+        return (await conn.execute(select(facts).where(facts.c.user_id == user)
+                                   .order_by(facts.c.id))).all()
+
+
+async def _served(engine, user, ago_s: float) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(memory_activity.insert().values(
+            user_id=user, served_at=func.now() - timedelta(seconds=ago_s)))
+
+
+async def _spare_others(engine, mine) -> None:
+    """Stamp every other user of the shared database as served now: within the grace period,
+    eviction leaves their KV alone."""
+    async with engine.begin() as conn:
+        await conn.execute(text("""
+            INSERT INTO memory_activity (user_id, served_at)
+            SELECT DISTINCT user_id, now() FROM facts WHERE NOT user_id = ANY(:mine)
+            ON CONFLICT (user_id) DO UPDATE SET served_at = now()"""), {"mine": list(mine)})
+
+
+def _blobs(store, rows) -> list[str]:
+    """The durable blobs (and lead blobs) of these facts that exist."""
+    return [p.name for row in rows for p in store.durable.root.rglob(f"{row.id}*.safetensors")]
+
+
+async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_return(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 2, "kv_evict_grace_s": 600.0,
+                                           "kv_budget_headroom": 0.0})
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
+    never, old, recent, live = await _users(settings, engine, embedder, tiny_encoder, store,
+                                            "never", "old", "recent", "live")
+    await _spare_others(engine, [never, old, recent, live])
+    await _served(engine, old, 7200)
+    await _served(engine, recent, 3600)
+    await _served(engine, live, 10)  # within the grace period: never evicted
+    rows = {u: await _rows(engine, u) for u in (never, old, recent, live)}
+    assert all(r.kv_location and r.kv_bytes for rs in rows.values() for r in rs)
+    each = sum(r.kv_bytes for r in rows[never])
+    async with engine.connect() as conn:
+        held = await held_kv_bytes(conn)
+    # A budget that one user's KV and a bit more must leave: the never-served user goes, then
+    # the least recently served one's oldest encodings.
+    budget = held - each - each // 4
+    await EncodeWorker(settings.model_copy(update={"kv_budget_bytes": budget}), engine,
+                       tiny_encoder, store).run(drain=True)
+    after = {u: await _rows(engine, u) for u in rows}
+    async with engine.connect() as conn:
+        assert await held_kv_bytes(conn) <= budget
+        assert await count_pending_facts(conn, 3, 3, never) == 0  # not re-encoded unasked
+    assert all(r.kv_location is None and r.kv_evicted_at for r in after[never])
+    assert any(r.kv_location is None for r in after[old])
+    assert all(r.kv_location for r in after[recent] + after[live])
+    assert not _blobs(store, [r for r in after[never] + after[old] if r.kv_location is None])
+    assert all(r.text == before.text and r.embedding is not None
+               for r, before in zip(after[never], rows[never], strict=True))
+
+    # A request meets the never-served user's facts as text: they are wanted, and claimed
+    # before facts that were never encoded.
+    backlog, = await _users(settings, engine, embedder, None, store, "backlog")
+    async with engine.begin() as conn:
+        wanted = await note_served(conn, never, [r.id for r in after[never]])
+        assert wanted == FACTS_EACH
+        assert await note_served(conn, never, [r.id for r in after[never]]) == 0  # once
+    async with engine.begin() as conn:
+        assert await count_pending_facts(conn, 3, 3, never) == FACTS_EACH
+        claimed = await claim_pending_facts(conn, FACTS_EACH, 2, 3, 60, 3, "neighbours")
+        assert {f.user_id for f in claimed} == {never}
+        await conn.rollback()
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    back = await _rows(engine, never)
+    assert all(r.kv_location and not r.kv_evicted_at and not r.kv_wanted_at for r in back)
+    for r in back:
+        assert store.get(r.kv_location, r.kv_checksum).token_ids == r.token_ids
+    # Forgetting a user whose KV was evicted removes what is left.
+    forgotten = await forget_user(engine, store, old)
+    assert forgotten.facts == FACTS_EACH and not _blobs(store, after[old])
+    assert all(r.kv_location for r in await _rows(engine, backlog))
+
+
+async def test_each_user_keeps_their_newest_encodings_within_their_budget(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 2})
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
+    big, = await _users(settings, engine, embedder, tiny_encoder, store, "big")
+    await _spare_others(engine, [big])
+    rows = await _rows(engine, big)
+    newest_first = sorted(rows, key=lambda r: r.encoded_at, reverse=True)
+    budget = sum(r.kv_bytes for r in newest_first[:2])
+    async with engine.begin() as conn:
+        evicted = await evict_over_budget(conn, None, budget, 600.0)
+    assert {e.id for e in evicted} == {r.id for r in newest_first[2:]}
+    assert sum(e.nbytes for e in evicted) == sum(r.kv_bytes for r in newest_first[2:])
+    async with engine.begin() as conn:  # within budget now: nothing more to evict
+        assert await evict_over_budget(conn, None, budget, 600.0) == []
+
+
+async def test_an_eviction_cut_short_before_its_blobs_loses_nothing(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 2, "kv_evict_grace_s": 600.0})
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
+    user, = await _users(settings, engine, embedder, tiny_encoder, store, "cut")
+    await _spare_others(engine, [user])
+    rows = await _rows(engine, user)
+    async with engine.begin() as conn:
+        others = await held_kv_bytes(conn) - sum(r.kv_bytes for r in rows)
+    budgeted = settings.model_copy(update={"kv_user_budget_bytes": 0})
+    failpoints.arm("kv.evict.before_delete=error:EIO")
+    try:  # the rows are evicted, the blobs stay: the stage carries on
+        await EncodeWorker(budgeted, engine, tiny_encoder, store).run(drain=True)
+    finally:
+        failpoints.arm("")
+    cut = await _rows(engine, user)
+    assert all(r.kv_location is None and r.kv_evicted_at for r in cut)  # served as text
+    assert _blobs(store, rows)
+    # The next stage's orphan sweep removes the leftovers; nothing else is touched.
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert not _blobs(store, rows)
+    async with engine.connect() as conn:
+        assert await held_kv_bytes(conn) >= others
+    assert [r.text for r in await _rows(engine, user)] == [r.text for r in rows]
