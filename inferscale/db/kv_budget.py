@@ -15,7 +15,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import func, text
@@ -100,20 +99,18 @@ async def evict_over_budget(conn: AsyncConnection, budget_bytes: int | None,
 
 _WANT = text("""
     UPDATE facts SET kv_wanted_at = now()
-    WHERE id = ANY(CAST(:ids AS bigint[])) AND user_id = :user AND deleted_at IS NULL
+    WHERE user_id = :user AND deleted_at IS NULL
       AND kv_evicted_at IS NOT NULL AND kv_location IS NULL AND kv_wanted_at IS NULL
 """)
 
 
-async def note_served(conn: AsyncConnection, user_id: str, textual_fact_ids: Sequence[int]
-                      ) -> int:
-    """Record that ``user_id``'s memory was served now, and mark the served facts that had no
-    KV because it was evicted as wanted (the encode stage encodes them before its backlog).
-    Returns how many were marked."""
+async def note_served(conn: AsyncConnection, user_id: str, met_evicted: bool) -> int:
+    """Record that ``user_id``'s memory was served now; ``met_evicted``: a served fact had no
+    KV, so mark every fact of the user whose KV was evicted as wanted (the encode stage encodes
+    them before its backlog: the user is active again). Returns how many were marked."""
     stamp = insert(memory_activity).values(user_id=user_id, served_at=func.now())
     await conn.execute(stamp.on_conflict_do_update(index_elements=["user_id"],
                                                    set_={"served_at": func.now()}))
-    if not textual_fact_ids:
+    if not met_evicted:
         return 0
-    return int((await conn.execute(_WANT, {"ids": list(textual_fact_ids),
-                                           "user": user_id})).rowcount)
+    return int((await conn.execute(_WANT, {"user": user_id})).rowcount)

@@ -52,6 +52,13 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.lab.bench import pagein
 
         pagein.run(settings, resolve_model_path(settings), out, ks=tuple(args.k))
+    elif args.which == "cost":
+        from inferscale.lab.bench import cost
+
+        if args.ttft_report is None:
+            raise SystemExit("bench cost needs --ttft-report (a bench ttft report)")
+        cost.run(settings, data, resolve_model_path(settings), out, Path(args.ttft_report),
+                 users=args.users, hours=args.hours, rate=args.rate)
     elif args.which == "inject":
         from transformers import AutoConfig, LlamaConfig
 
@@ -115,7 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
                                             "load", "extract", "retrieval",
-                                            "pagein", "inject"])
+                                            "pagein", "inject", "cost"])
     p.add_argument("--data", default=str(SAMPLE),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
@@ -128,6 +135,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Llama-3.1-8B's")
     p.add_argument("--no-model", action="store_true",
                    help="inject: skip the model-forward baseline")
+    p.add_argument("--ttft-report", help="cost: the bench ttft report (ttft.json) whose "
+                                         "medians time hot and cold requests")
+    p.add_argument("--users", type=int, default=10_000, help="cost: simulated users")
+    p.add_argument("--hours", type=float, default=6.0, help="cost: simulated hours")
+    p.add_argument("--rate", type=float, default=2.0, help="cost: requests per second")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none; "

@@ -65,11 +65,11 @@ class MemoryRuntime:
         self._served: TTLCache[str, bool] = TTLCache(maxsize=1 << 17, ttl=SERVED_STAMP_S)
         self._noting: set[asyncio.Task[None]] = set()
 
-    def note_served(self, owner: str, textual_fact_ids: list[int]) -> None:
+    def note_served(self, owner: str, met_unencoded: bool) -> None:
         """In the background, off the request: stamp the owner's memory as served (at most
-        every ``SERVED_STAMP_S``, well within the eviction grace) and ask for the served facts
-        that lack KV to be encoded again if theirs was evicted (``db/kv_budget.py``)."""
-        if owner in self._served and not textual_fact_ids:
+        every ``SERVED_STAMP_S``, well within the eviction grace) and, when a served fact had
+        no KV, ask for the owner's evicted facts to be encoded again (``db/kv_budget.py``)."""
+        if owner in self._served and not met_unencoded:
             return
         self._served[owner] = True
 
@@ -78,7 +78,7 @@ class MemoryRuntime:
 
             try:
                 async with self.engine.begin() as conn:
-                    if wanted := await note_served(conn, owner, textual_fact_ids):
+                    if wanted := await note_served(conn, owner, met_unencoded):
                         M.reencodes_wanted.inc(wanted)
             except Exception as exc:  # noqa: BLE001 - bookkeeping: the answer is unaffected
                 log.warning("cannot record that %s's memory was served: %s", owner, exc)
@@ -133,7 +133,7 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
     retrieval_ms = (time.perf_counter() - started) * 1000
     M.retrieval_seconds.observe(retrieval_ms / 1000)
     if facts:
-        rt.note_served(owner, [f.id for f in facts if not f.kv_location])
+        rt.note_served(owner, any(not f.kv_location for f in facts))
     if options.order == "time":
         facts.sort(key=lambda f: f.id)
     else:

@@ -96,13 +96,13 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
     assert all(r.text == before.text and r.embedding is not None
                for r, before in zip(after[never], rows[never], strict=True))
 
-    # A request meets the never-served user's facts as text: they are wanted, and claimed
-    # before facts that were never encoded.
+    # A request meets the never-served user's facts as text: all the user's evicted facts are
+    # wanted, and claimed before facts that were never encoded.
     backlog, = await _users(settings, engine, embedder, None, store, "backlog")
     async with engine.begin() as conn:
-        wanted = await note_served(conn, never, [r.id for r in after[never]])
-        assert wanted == FACTS_EACH
-        assert await note_served(conn, never, [r.id for r in after[never]]) == 0  # once
+        assert await note_served(conn, never, False) == 0  # only stamped
+        assert await note_served(conn, never, True) == FACTS_EACH  # all the user's evicted
+        assert await note_served(conn, never, True) == 0  # once
     async with engine.begin() as conn:
         assert await count_pending_facts(conn, 3, 3, never) == FACTS_EACH
         claimed = await claim_pending_facts(conn, FACTS_EACH, 2, 3, 60, 3, "neighbours")

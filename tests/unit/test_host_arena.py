@@ -100,14 +100,20 @@ def test_page_ins_decode_the_same_from_the_arena(tmp_path, host_bytes):
     assert reader.arena.mapped == CHUNK  # with no host tier too (PAGE_IN_ARENA_MIN)
 
 
-def test_bench_pagein_times_each_kind_of_memory(tiny_models, tmp_path):
+def test_bench_pagein_times_each_kind_of_memory_and_format(tiny_models, tmp_path):
+    from inferscale.kv import fused
     from inferscale.lab.bench import pagein
     from inferscale.platform.settings import Settings
 
-    report = pagein.run(Settings(kv_url=None), tiny_models["llama"], tmp_path, ks=(3,))
-    (row,) = report["results"]
-    assert row["tier"] == "local directory" and row["k"] == 3
-    for column in ("host_tier_ms", "sequential_ms", "fresh_buffers_ms", "concurrent_ms",
-                   "reused_ms"):
-        assert row[column] > 0
+    report = pagein.run(Settings(kv_url=None), tiny_models["llama"], tmp_path, ks=(3,),
+                        formats=("raw", "int4"))
+    raw, int4 = report["results"]
+    assert (raw["format"], int4["format"]) == ("raw", "int4")
+    assert int4["blob_bytes"] < raw["blob_bytes"] / 2
+    for row in (raw, int4):
+        assert row["tier"] == "local directory" and row["k"] == 3
+        for column in ("host_tier_ms", "sequential_ms", "fresh_buffers_ms", "concurrent_ms",
+                       "reused_ms", "concurrent_speedup_vs_raw"):
+            assert row[column] > 0
+        assert (row["fused_write_ms"] is None) == (not fused.available())
     assert (tmp_path / "pagein.json").exists()

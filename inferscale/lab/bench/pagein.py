@@ -1,6 +1,8 @@
-"""Page-in latency of one request's blobs: host tier vs local directory vs the S3 bucket the
-settings name (``INFERSCALE_KV_URL=s3://...``, if any), one at a time vs concurrently, and read
-into fresh buffers vs the host arena (new chunks, or blocks that evicted blobs gave back)."""
+"""Page-in latency of one request's blobs by KV format at rest: host tier vs local directory vs
+the S3 bucket the settings name (``INFERSCALE_KV_URL=s3://...``, if any), one at a time vs
+concurrently, read into fresh buffers vs the host arena (new chunks, or blocks that evicted
+blobs gave back); and the fused CPU write of the paged-in blobs into a paged cache (where coded
+blobs are dequantised)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,16 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
+from inferscale.contracts.kv_format import FORMATS, RAW
+from inferscale.kv import fused
 from inferscale.kv.durable import Durable, LocalDir, S3Objects
-from inferscale.kv.rope import model_head_dim
+from inferscale.kv.fused import LAYOUTS, FusedCpuWriter
+from inferscale.kv.rope import ChunkedRope, model_head_dim
 from inferscale.kv.store import KVStore
 from inferscale.lab.bench.common import print_table, write_report
 from inferscale.platform.settings import Settings
@@ -25,16 +31,41 @@ FINGERPRINT = "b" * 64
 
 
 def _write_blobs(durable: Durable, shape: tuple[int, int, int], dtype: torch.dtype,
-                 n: int) -> list[str]:
+                 n: int, kv_format: str) -> tuple[list[str], int]:
+    """``n`` blobs of random K/V stored in ``kv_format``: their names and mean bytes."""
     store = KVStore(durable, FINGERPRINT, host_bytes=0)
     layers, heads, dim = shape
     g = torch.Generator().manual_seed(0)
     names = [f"bench-{uuid.uuid4().hex[:8]}" for _ in range(n)]
+    nbytes = 0
     for name in names:
         k, v = (torch.randn((layers, TOKENS_PER_FACT, heads, dim), generator=g).to(dtype)
                 for _ in range(2))
-        store.put(name, k, v, list(range(TOKENS_PER_FACT)), window=0)
-    return names
+        nbytes += store.put(name, k, v, list(range(TOKENS_PER_FACT)), window=0,
+                            kv_format=kv_format).nbytes
+    return names, nbytes // n
+
+
+def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]) -> float | None:
+    """Median ms of the fused CPU write (rotate, scale, dequantise, store) of these blobs into
+    a paged cache of vLLM's "vec" layout; None where the kernel is not built."""
+    if not fused.available():
+        return None
+    rope = ChunkedRope(config, torch.bfloat16)
+    blobs = store.load_many(names, [None] * len(names))
+    layers, _, heads, dim = blobs[0].shape
+    tokens = sum(blob.tokens for blob in blobs)
+    block = 32
+    writer = FusedCpuWriter(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim)
+    caches = [torch.zeros(tokens // block + 1, heads, block, 2 * dim, dtype=torch.bfloat16)
+              for _ in range(layers)]
+    positions = torch.arange(tokens)
+    samples = []
+    for _ in range(REPEATS + 1):  # the first warms the caches up
+        began = time.perf_counter()
+        writer.write([blob.piece() for blob in blobs], positions, positions, None, caches)
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples[1:]) * 1e3
 
 
 def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: str) -> float:
@@ -62,10 +93,11 @@ def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: st
 
 
 def run(settings: Settings, model_path: Path, out_dir: Path,
-        ks: tuple[int, ...] = (20, 50)) -> dict:
-    """Write max(ks) blobs of the serving model's shape (bf16) to each durable tier; time
-    page-ins of k of them. Local reads come from the OS page cache (the blobs were just
-    written): what is measured is the read path, decode and verification, not the disk."""
+        ks: tuple[int, ...] = (20, 50), formats: tuple[str, ...] = tuple(FORMATS)) -> dict:
+    """Write max(ks) blobs of the serving model's shape (bf16) in each format to each durable
+    tier; time page-ins of k of them and their fused write. Local reads come from the OS page
+    cache (the blobs were just written): what is measured is the read path, decode and
+    verification, not the disk."""
     ks = tuple(k for k in ks if k > 0)
     if not ks:
         raise ValueError("pagein needs some k > 0")
@@ -76,26 +108,34 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
         tiers: list[tuple[str, Durable]] = [("local directory", LocalDir(Path(tmp)))]
         if (bucket := settings.kv_bucket) is not None:
             tiers.append((f"s3://{bucket.bucket}", S3Objects(bucket.bucket, bucket.prefix)))
-        results = []
+        results: list[dict[str, Any]] = []
         for tier, durable in tiers:
-            names = _write_blobs(durable, shape, dtype, max(ks))
-            for k in ks:
-                row = {"tier": tier, "k": k,
-                       "host_tier_ms": _request_ms(durable, names[:k], True, "warm"),
-                       "sequential_ms": _request_ms(durable, names[:k], False, "arena"),
-                       "fresh_buffers_ms": _request_ms(durable, names[:k], True, "fresh"),
-                       "concurrent_ms": _request_ms(durable, names[:k], True, "arena"),
-                       "reused_ms": _request_ms(durable, names[:k], True, "reused")}
-                results.append(row)
-            cleaner = KVStore(durable, FINGERPRINT, host_bytes=0)
-            cleaner.delete([cleaner.location_for(name) for name in names])
-    blob_mb = 2 * shape[0] * TOKENS_PER_FACT * shape[1] * shape[2] * dtype.itemsize / 1e6
-    print_table(["durable tier", "k", "host tier ms", "one by one ms",
+            for kv_format in formats:
+                names, blob_bytes = _write_blobs(durable, shape, dtype, max(ks), kv_format)
+                for k in ks:
+                    results.append({
+                        "tier": tier, "format": kv_format, "k": k, "blob_bytes": blob_bytes,
+                        "host_tier_ms": _request_ms(durable, names[:k], True, "warm"),
+                        "sequential_ms": _request_ms(durable, names[:k], False, "arena"),
+                        "fresh_buffers_ms": _request_ms(durable, names[:k], True, "fresh"),
+                        "concurrent_ms": _request_ms(durable, names[:k], True, "arena"),
+                        "reused_ms": _request_ms(durable, names[:k], True, "reused"),
+                        "fused_write_ms": _write_ms(config, KVStore(
+                            durable, FINGERPRINT, host_bytes=1 << 34), names[:k])})
+                cleaner = KVStore(durable, FINGERPRINT, host_bytes=0)
+                cleaner.delete([cleaner.location_for(name) for name in names])
+    for row in results:  # against raw blobs of the same tier and k, in this run
+        raw = next((r for r in results if r["format"] == RAW and r["tier"] == row["tier"]
+                    and r["k"] == row["k"]), None)
+        row["concurrent_speedup_vs_raw"] = (raw["concurrent_ms"] / row["concurrent_ms"]
+                                            if raw else None)
+    print_table(["durable tier", "format", "k", "blob KB", "host tier ms", "one by one ms",
                  "concurrent, fresh buffers ms", "concurrent, arena ms",
-                 "concurrent, arena reused ms"],
-                [[r["tier"], r["k"], r["host_tier_ms"], r["sequential_ms"], r["fresh_buffers_ms"],
-                  r["concurrent_ms"], r["reused_ms"]] for r in results])
-    report = {"blob_mb": blob_mb, "tokens_per_fact": TOKENS_PER_FACT, "repeats": REPEATS,
-              "results": results}
+                 "concurrent, arena reused ms", "x raw (arena)", "fused write ms"],
+                [[r["tier"], r["format"], r["k"], r["blob_bytes"] / 1e3, r["host_tier_ms"],
+                  r["sequential_ms"], r["fresh_buffers_ms"], r["concurrent_ms"],
+                  r["reused_ms"], r["concurrent_speedup_vs_raw"], r["fused_write_ms"]]
+                 for r in results])
+    report = {"tokens_per_fact": TOKENS_PER_FACT, "repeats": REPEATS, "results": results}
     write_report(out_dir, "pagein", report)
     return report

@@ -1,0 +1,43 @@
+"""The population model of ``bench cost`` (pure logic): a budget that holds everything evicts
+nothing; a tight one holds the tier under it after every round; blob bytes follow the format."""
+
+import numpy as np
+import pytest
+
+from inferscale.lab.bench.cost import Policy, blob_bytes, fact_bytes, simulate
+
+TTFT = {"host": 0.1, "disk": 0.15, "cold": 1.0}
+
+
+def _population(users=300, seed=0):
+    return np.random.default_rng(seed).integers(50, 400, users)
+
+
+def test_a_budget_that_holds_everything_serves_every_request_injected():
+    facts = _population()
+    result = simulate(facts, 1e6, Policy(budget_bytes=float(facts.sum()) * 1e6), rate=2.0,
+                      zipf_a=1.1, hours=0.5, ttft=TTFT)
+    assert result["requests"] > 3000 and result["hit_rate"] == 1.0
+    assert result["evicted_users"] == 0 and result["ttft_p99_s"] <= TTFT["disk"]
+
+
+def test_a_tight_budget_holds_the_tier_under_it_after_every_round():
+    """(No grace period: one would keep users served within it over the budget.)"""
+    facts = _population()
+    budget = float(facts.sum()) * 1e6 * 0.2
+    result = simulate(facts, 1e6, Policy(budget_bytes=budget, grace_s=0.0, encode_rate=50.0),
+                      rate=2.0,
+                      zipf_a=1.1, hours=1.0, ttft=TTFT)
+    assert result["evicted_users"] > 0 and 0 < result["hit_rate"] < 1
+    assert all(p["durable_bytes"] <= budget for p in result["timeline"])
+    assert result["kinds"]["cold"] > 0 and result["ttft_p99_s"] == TTFT["cold"]
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "int2"])
+def test_fact_bytes_follow_the_format(kv_format):
+    shape = (4, 2, 64)
+    raw, coded = blob_bytes(shape, 44, "raw"), blob_bytes(shape, 44, kv_format)
+    assert coded < raw * {"int8": 0.6, "int4": 0.35, "int2": 0.2}[kv_format]
+    both = fact_bytes(shape, [40, 44, 48], kv_format, kv_format)
+    assert both == pytest.approx(2 * coded, rel=0.01)
+    assert fact_bytes(shape, [44], kv_format, None) == coded
