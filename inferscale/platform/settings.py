@@ -136,7 +136,7 @@ class Settings(BaseSettings):
     # dtype as encoded) or integer codes, keys per channel and values per token ("int8",
     # "int4", "int2"), dequantised inside the fused write. Each blob records its format, so a
     # store may hold several: a change applies to the facts encoded after it.
-    kv_format: KVFormat = "raw"
+    kv_format: KVFormat = "int4"
     lead_kv_format: KVFormat | None = None  # the lead encodings' format (None: kv_format)
     # KV budget of the durable tier, in bytes (None: none). The encode stage evicts the KV of
     # the least recently served users until the tier holds kv_budget_headroom less; their

@@ -114,7 +114,7 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
 
 async def test_lead_encodings_are_the_facts_after_the_preamble_alone(settings, engine, embedder,
                                                                    tiny_encoder, tmp_path):
-    settings = settings.model_copy(update={"window": 2})
+    settings = settings.model_copy(update={"window": 2, "kv_format": "raw"})
     user, plain = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("lead", "plain"))
     await _ingest(settings, engine, embedder, sample_turns(user)[:4])
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
@@ -261,7 +261,7 @@ def _nearest_last(row, among, n):
 
 async def test_early_facts_are_encoded_again_once_their_user_has_3w_facts(
         settings, engine, embedder, tiny_encoder, tmp_path):
-    settings = settings.model_copy(update={"window": 2})
+    settings = settings.model_copy(update={"window": 2, "kv_format": "raw"})
     turns, plain = sample_turns()[:6], sample_turns()[:6]
     user = turns[0].user_id
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)

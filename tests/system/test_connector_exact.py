@@ -1,7 +1,8 @@
 """Exactness of injection on a seeded tiny random Llama in fp32 through the real vLLM engine.
 
-One fact, encoded after exactly the prefix it is served after (window 0, k = 1): injected KV
-must reproduce text prefill's greedy tokens and top logprobs within 1e-4. A poisoned blob (valid
+One fact, encoded after exactly the prefix it is served after (window 0, k = 1) and stored raw:
+injected KV must reproduce text prefill's greedy tokens and top logprobs within 1e-4 (a coded
+blob: exactly what a raw blob of its dequantised values gives). A poisoned blob (valid
 checksum, wrong values) must not: that shows the comparison can fail. A fact encoded after
 another one is exact when served first only through its lead encoding. The server has key
 scales (0.5 per layer): requests that ask for them move away from text prefill, the others
@@ -14,6 +15,7 @@ import uuid
 import pytest
 import torch
 from sqlalchemy import select
+from sqlalchemy import text as sa_text
 
 from conftest import running_server
 from helpers import ingest_and_encode, turn
@@ -34,7 +36,7 @@ def tiny_served(base_settings, tiny_models, tmp_path_factory):
                                   "points": [{"facts": 1, "scales": [KEY_SCALE] * 3}]}))
     settings = base_settings.model_copy(update={
         "model_path": tiny_models["llama"], "kv_dir": root / "kv", "data_dir": root,
-        "window": 0, "top_k": 1, "key_scales": str(scales)})
+        "window": 0, "top_k": 1, "key_scales": str(scales), "kv_format": "raw"})
     with running_server(settings, root / "server.log",
                         ["--enforce-eager", "--dtype", "float32", "--max-model-len",
                          "2048"]) as server:
@@ -55,7 +57,7 @@ def _max_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
 async def _user(tiny_served, settings, engine, embedder, encoder, store, *texts, window=0):
     user = f"exact-{uuid.uuid4().hex[:6]}"
     cfg = settings.model_copy(update={**{k: getattr(tiny_served.settings, k) for k in (
-        "model_path", "kv_dir", "data_dir")}, "window": window})
+        "model_path", "kv_dir", "data_dir", "kv_format")}, "window": window})
     await ingest_and_encode(cfg, engine, embedder, [
         turn(user, f"t{i}", "Sam", text, day=i + 1) for i, text in enumerate(texts)],
         encoder, store)
@@ -194,3 +196,49 @@ async def test_key_scales_apply_to_the_facts_of_requests_that_ask(tiny_served, s
     assert _max_diff(_tokens_and_logprobs(half)[1], _tokens_and_logprobs(scaled)[1]) > 1e-3
     assert _max_diff(_tokens_and_logprobs(tiny_served.chat(
         user, question, k=1, key_scales=0, **kwargs))[1], logprobs_t) < 1e-4
+
+
+async def test_evicted_facts_are_served_as_text_and_come_back_as_kv(
+        tiny_served, settings, tiny_models, engine, embedder):
+    """A request for a user whose KV the budget evicted is answered, from text, and asks for
+    the user's facts back: once encoded again they are injected, exact again."""
+    import asyncio
+
+    from inferscale.db.kv_budget import evict_over_budget
+    from workers.encode import EncodeWorker
+
+    encoder, store = _encoder_and_store(tiny_served, tiny_models)
+    question = "What does Sam do for a living?"
+    kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
+    user = await _user(tiny_served, settings, engine, embedder, encoder, store,
+                       "I am a marine biologist at the evicted city aquarium.")
+    text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
+    async with engine.begin() as conn:  # every other user counts as served just now
+        await conn.execute(sa_text(
+            "INSERT INTO memory_activity (user_id, served_at) SELECT DISTINCT user_id, now() "
+            "FROM facts WHERE user_id <> :user ON CONFLICT (user_id) DO UPDATE "
+            "SET served_at = now()"), {"user": user})
+        await conn.execute(sa_text("DELETE FROM memory_activity WHERE user_id = :user"),
+                           {"user": user})
+        evicted = await evict_over_budget(conn, None, 0, grace_s=600.0)
+    assert [e.user_id for e in evicted] == [user]
+    await asyncio.to_thread(store.delete, [e.location for e in evicted])
+    cold = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    assert cold.status_code == 200 and cold.headers["x-inferscale-facts-injected"] == "0"
+    assert _tokens_and_logprobs(cold)[0] == _tokens_and_logprobs(text)[0]  # the same prompt
+    for _ in range(50):  # the server marks the user's facts wanted, off the request
+        async with engine.connect() as conn:
+            wanted = (await conn.execute(select(facts.c.kv_wanted_at).where(
+                facts.c.user_id == user))).scalar_one()
+        if wanted is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert wanted is not None
+    cfg = settings.model_copy(update={k: getattr(tiny_served.settings, k) for k in (
+        "model_path", "kv_dir", "data_dir", "window", "kv_format")})
+    await EncodeWorker(cfg, engine, encoder, store).run(drain=True)
+    warm = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
+    assert warm.headers["x-inferscale-facts-injected"] == "1"
+    tokens_w, logprobs_w = _tokens_and_logprobs(warm)
+    assert tokens_w == _tokens_and_logprobs(text)[0]
+    assert _max_diff(logprobs_w, _tokens_and_logprobs(text)[1]) < 1e-4
