@@ -40,7 +40,7 @@ from inferscale.db.encode_queue import (
     record_encode_failure,
     record_encoded,
 )
-from inferscale.db.kv_budget import evict_over_budget
+from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes
 from inferscale.kv.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.forget import sweep_orphan_blobs
@@ -77,6 +77,7 @@ class EncodeStats:
 
     encoded: int = 0
     reencoded: int = 0  # of those, facts encoded again after a wider context (backfill)
+    restored: int = 0  # of those, facts whose KV had been evicted, wanted back by a request
     failed: int = 0
     batches: int = 0
 
@@ -148,7 +149,7 @@ class EncodeWorker(BatchStage):
                         conn, s.kv_budget_bytes, s.kv_user_budget_bytes, s.kv_evict_grace_s,
                         s.kv_budget_headroom, _EVICT_BATCH)
                 if not evicted:
-                    return
+                    break
                 failpoints.hit("kv.evict.before_delete")
                 await asyncio.to_thread(self.store.delete, [e.location for e in evicted])
                 observe.KV_EVICTED_FACTS.inc(len(evicted))
@@ -156,7 +157,9 @@ class EncodeWorker(BatchStage):
                 log.info("evicted the KV of %d facts (%.1f MB) to keep under the KV budget",
                          len(evicted), sum(e.nbytes for e in evicted) / 1e6)
                 if len(evicted) < _EVICT_BATCH:
-                    return
+                    break
+            async with self.engine.connect() as conn:
+                observe.KV_HELD_BYTES.set(await held_kv_bytes(conn))
         except Exception as exc:  # noqa: BLE001 - maintenance: tried again at the next round
             log.warning("KV eviction failed: %s", exc)
 
@@ -208,6 +211,9 @@ class EncodeWorker(BatchStage):
         reencoded = sum(r["reencode"] for r in done) - sum(r["reencode"] for r in gone)
         self.stats.reencoded += reencoded
         observe.FACTS_REENCODED.inc(reencoded)
+        restored = sum(r["restored"] for r in done) - sum(r["restored"] for r in gone)
+        self.stats.restored += restored
+        observe.KV_RESTORED_FACTS.inc(restored)
         self.stats.failed += len(failures)
         observe.FACTS_ENCODED.inc(len(done) - len(gone))
         observe.ENCODE_FAILURES.inc(len(failures))
@@ -285,7 +291,8 @@ class EncodeWorker(BatchStage):
             rows.append({
                 "id": fact.id, "claim": fact.claim, "token_ids": span.token_ids,
                 "window": self.settings.window, "context_facts": len(fact.context),
-                "reencode": fact.reencode, "fingerprint": self.store.fingerprint,
+                "reencode": fact.reencode, "restored": fact.restored,
+                "fingerprint": self.store.fingerprint,
                 "location": stored.location, "checksum": stored.checksum,
                 "nbytes": stored.nbytes + (stored_lead.nbytes if stored_lead else 0),
                 "lead_checksum": stored_lead.checksum if stored_lead else None,

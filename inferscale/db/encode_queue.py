@@ -37,6 +37,7 @@ class PendingFact:
     context: list[str]  # oldest first
     claim: int  # the claim's number: only its holder records the outcome
     reencode: bool = False
+    restored: bool = False  # its KV was evicted, and a request wants it back
 
 # A claimed fact's encoding context, most adjacent first (the caller reverses it): the
 # ``window`` facts that precede it in its conversation, or the ``window`` earlier facts of its
@@ -94,9 +95,10 @@ _CLAIM = """
             LIMIT :limit
             FOR UPDATE SKIP LOCKED))
         RETURNING id, user_id, conversation_id, ts, text, embedding, encode_attempts,
-                  encode_claims
+                  encode_claims, kv_wanted_at IS NOT NULL AS restored
     )
-    SELECT f.id, f.user_id, f.text, f.encode_claims, COALESCE(ARRAY({context}), '{{}}') AS context
+    SELECT f.id, f.user_id, f.text, f.encode_claims, f.restored,
+           COALESCE(ARRAY({context}), '{{}}') AS context
     FROM claimed f {ranked_a} {ranked_b}
     ORDER BY f.encode_attempts, f.id
 """
@@ -146,7 +148,7 @@ async def _claim_facts(conn: AsyncConnection, kind: str, limit: int, window: int
         rows = (await conn.execute(claim, {**params, "suspect": False})).all()
     return [PendingFact(id=r.id, user_id=r.user_id, text=r.text,
                         context=list(reversed(r.context)), claim=r.encode_claims,
-                        reencode=kind == "backfill") for r in rows]
+                        reencode=kind == "backfill", restored=r.restored) for r in rows]
 
 _MARK_BACKFILL = text("""
     UPDATE facts e SET backfill_due = true

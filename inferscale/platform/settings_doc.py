@@ -22,6 +22,7 @@ import textwrap
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import annotated_types
 from pydantic.fields import FieldInfo
@@ -148,6 +149,13 @@ def _constraints(field: FieldInfo) -> list[str]:
             for kind, attr, shown in _LIMITS if isinstance(item, kind)]
 
 
+def _literal_aliases(settings_class: type[Settings]) -> dict[str, str]:
+    """Module-level ``Literal`` aliases of the settings' module, spelled out."""
+    module = sys.modules[settings_class.__module__]
+    return {name: "Literal[" + ", ".join(f'"{arg}"' for arg in get_args(value)) + "]"
+            for name, value in vars(module).items() if get_origin(value) is Literal}
+
+
 def _type(annotation: str, field: FieldInfo) -> str:
     shown = "`" + " ".join(annotation.split()).replace("|", r"\|") + "`"
     constraints = _constraints(field)
@@ -168,6 +176,7 @@ def field_docs(settings_class: type[Settings] = Settings) -> list[FieldDoc]:
     fields = settings_class.model_fields
     section = FIRST_SECTION
     docs: list[FieldDoc] = []
+    aliases = _literal_aliases(settings_class)
     for node in classdef.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
@@ -190,6 +199,8 @@ def field_docs(settings_class: type[Settings] = Settings) -> list[FieldDoc]:
         trailing = [inline[line] for line in range(node.lineno, end + 1) if line in inline]
         description = field.description or " ".join(above + trailing)
         annotation = ast.get_source_segment(source, node.annotation) or str(field.annotation)
+        for alias, spelled in aliases.items():
+            annotation = re.sub(rf"\b{alias}\b", spelled, annotation)
         docs.append(FieldDoc(section=section, env=f"{prefix}{name.upper()}",
                              type=_type(annotation, field), default=_default(name, field),
                              description=_markdown_text(description) if description else "—"))

@@ -108,7 +108,8 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
         claimed = await claim_pending_facts(conn, FACTS_EACH, 2, 3, 60, 3, "neighbours")
         assert {f.user_id for f in claimed} == {never}
         await conn.rollback()
-    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert stats.restored == FACTS_EACH and stats.encoded == 2 * FACTS_EACH  # and the backlog
     back = await _rows(engine, never)
     assert all(r.kv_location and not r.kv_evicted_at and not r.kv_wanted_at for r in back)
     for r in back:

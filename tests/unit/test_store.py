@@ -181,3 +181,21 @@ def test_one_store_serves_blobs_of_every_format_and_keeps_them_coded(tmp_path):
         assert (got_v.float() - v.float()).abs().max() <= tolerance
     raw_bytes = store.load("10").nbytes
     assert store.load("12").nbytes < raw_bytes / 2  # int4 (and its params), as held in memory
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("INFERSCALE_KV_FORMAT", "int3"), ("INFERSCALE_KV_FORMAT", "fp8"),
+    ("INFERSCALE_KV_FORMAT", ""), ("INFERSCALE_LEAD_KV_FORMAT", "INT4"),
+    ("INFERSCALE_KV_BUDGET_BYTES", "-1"), ("INFERSCALE_KV_BUDGET_BYTES", "lots"),
+    ("INFERSCALE_KV_USER_BUDGET_BYTES", "1.5"), ("INFERSCALE_KV_BUDGET_HEADROOM", "1"),
+    ("INFERSCALE_KV_BUDGET_HEADROOM", "nan"), ("INFERSCALE_KV_EVICT_GRACE_S", "-1"),
+    ("INFERSCALE_KV_EVICT_INTERVAL_S", "0"), ("INFERSCALE_KV_EVICT_INTERVAL_S", "inf"),
+])
+def test_kv_format_and_budget_settings_refuse_bad_values(monkeypatch, name, value):
+    from pydantic import ValidationError
+
+    from inferscale.platform.settings import Settings
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match=name.removeprefix("INFERSCALE_").lower()):
+        Settings()
