@@ -74,15 +74,33 @@ static inline const char *row_of(const int64_t *base, const job_t *j, int64_t la
 }
 
 /* one head's row of b-bit codes dequantised into out[dim]: per element scale[d * step] and
-   zero[d * step] (keys: per channel, step 1; values: one pair, step 0). ``bits`` is a
-   constant at each call, so every width gets its own loop. */
+   zero[d * step] (keys: per channel, step 1; values: one pair, step 0). The codes are unpacked
+   byte by byte into floats first, then one multiply-add and rounding per element: both loops
+   vectorise. */
 static inline __attribute__((always_inline)) void dequant(
         uint16_t *out, const uint8_t *codes, int bits, int64_t dim, const uint16_t *scale,
         const uint16_t *zero, int64_t step) {
-    const int per = 8 / bits, mask = (1 << bits) - 1;
-    for (int64_t d = 0; d < dim; d++) {
-        float q = (float)((codes[d / per] >> ((d % per) * bits)) & mask);
-        out[d] = rbf(q * bf(scale[d * step]) + bf(zero[d * step]));
+    float q[MAX_DIM];
+    if (bits == 8) {
+        for (int64_t d = 0; d < dim; d++) q[d] = (float)codes[d];
+    } else if (bits == 4) {
+        for (int64_t i = 0; i < dim / 2; i++) {
+            q[2 * i] = (float)(codes[i] & 15);
+            q[2 * i + 1] = (float)(codes[i] >> 4);
+        }
+    } else {
+        for (int64_t i = 0; i < dim / 4; i++) {
+            q[4 * i] = (float)(codes[i] & 3);
+            q[4 * i + 1] = (float)((codes[i] >> 2) & 3);
+            q[4 * i + 2] = (float)((codes[i] >> 4) & 3);
+            q[4 * i + 3] = (float)(codes[i] >> 6);
+        }
+    }
+    if (step) {
+        for (int64_t d = 0; d < dim; d++) out[d] = rbf(q[d] * bf(scale[d]) + bf(zero[d]));
+    } else {
+        const float s = bf(scale[0]), z = bf(zero[0]);
+        for (int64_t d = 0; d < dim; d++) out[d] = rbf(q[d] * s + z);
     }
 }
 
