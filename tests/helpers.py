@@ -68,3 +68,16 @@ def turn(user: str, turn_id: str, speaker: str, text: str, day: int = 1) -> Turn
 
     return TurnEvent(user_id=user, conversation_id=user, turn_id=turn_id, speaker=speaker,
                      text=text, timestamp=datetime(2025, 5, day, 12, 0, tzinfo=UTC))
+
+
+def tokens_and_logprobs(response) -> tuple[list[str], list[dict[str, float]]]:
+    """A 200 chat completion's tokens and, per token, its top logprobs by token."""
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return ([c["token"] for c in content],
+            [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content])
+
+
+def max_logprob_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
+    """The largest difference of a token's logprob present in both, position by position."""
+    return max(abs(x[t] - y[t]) for x, y in zip(a, b, strict=True) for t in x if t in y)

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy import text as sa_text
 
 from conftest import running_server
-from helpers import ingest_and_encode, turn
+from helpers import ingest_and_encode, max_logprob_diff, tokens_and_logprobs, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.db.tables import facts
 from inferscale.kv.encoder import FactEncoder
@@ -43,15 +43,11 @@ def tiny_served(base_settings, tiny_models, tmp_path_factory):
         yield server
 
 
-def _tokens_and_logprobs(response) -> tuple[list[str], list[dict[str, float]]]:
-    assert response.status_code == 200, response.text
-    content = response.json()["choices"][0]["logprobs"]["content"]
-    return ([c["token"] for c in content],
-            [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content])
-
-
-def _max_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
-    return max(abs(x[t] - y[t]) for x, y in zip(a, b, strict=True) for t in x if t in y)
+async def _fact_id(engine, user: str) -> int:
+    """The id of the user's one fact."""
+    async with engine.connect() as conn:
+        return (await conn.execute(select(facts.c.id).where(
+            facts.c.user_id == user))).scalar_one()
 
 
 async def _user(tiny_served, settings, engine, embedder, encoder, store, *texts, window=0):
@@ -82,25 +78,23 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     assert injected.json()["kv_transfer_params"]["injected_tokens"] == int(
         injected.headers["x-inferscale-injected-tokens"]) > len(encoder.layout.preamble_ids)
     text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
-    tokens_i, logprobs_i = _tokens_and_logprobs(injected)
-    tokens_t, logprobs_t = _tokens_and_logprobs(text)
+    tokens_i, logprobs_i = tokens_and_logprobs(injected)
+    tokens_t, logprobs_t = tokens_and_logprobs(text)
     assert tokens_i == tokens_t
-    assert _max_diff(logprobs_i, logprobs_t) < 1e-4
+    assert max_logprob_diff(logprobs_i, logprobs_t) < 1e-4
 
     # Negative control: same tokens and a valid checksum, wrong values -> visibly different.
     poisoned = await _user(tiny_served, settings, engine, embedder, encoder, store,
                            "I am a marine biologist at the city aquarium.")
-    async with engine.connect() as conn:
-        fact_id = (await conn.execute(select(facts.c.id).where(
-            facts.c.user_id == poisoned))).scalar_one()
+    fact_id = await _fact_id(engine, poisoned)
     blob = store.load(str(fact_id))
     stored = store.put(str(fact_id), blob.k, blob.v * 3.0, blob.token_ids, window=0)
     async with engine.begin() as conn:
         await conn.execute(facts.update().where(facts.c.id == fact_id).values(
             kv_checksum=stored.checksum))
     bad = tiny_served.chat(poisoned, question, k=1, key_scales=False, **kwargs)
-    _, logprobs_bad = _tokens_and_logprobs(bad)
-    assert _max_diff(logprobs_bad, logprobs_t) > 1e-2
+    _, logprobs_bad = tokens_and_logprobs(bad)
+    assert max_logprob_diff(logprobs_bad, logprobs_t) > 1e-2
 
 
 async def _restore(engine, store, fact_id: int, k, v, token_ids, kv_format: str) -> str:
@@ -122,9 +116,7 @@ async def test_a_coded_blob_injects_exactly_its_dequantised_values(
     kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
     user = await _user(tiny_served, settings, engine, embedder, encoder, store,
                        f"I am a marine biologist at the {kv_format} city aquarium.")
-    async with engine.connect() as conn:
-        fact_id = (await conn.execute(select(facts.c.id).where(
-            facts.c.user_id == user))).scalar_one()
+    fact_id = await _fact_id(engine, user)
     blob = store.load(str(fact_id))
     checksum = await _restore(engine, store, fact_id, blob.k, blob.v, blob.token_ids, kv_format)
     coded = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
@@ -133,13 +125,13 @@ async def test_a_coded_blob_injects_exactly_its_dequantised_values(
     await _restore(engine, store, fact_id, k, v, blob.token_ids, "raw")
     plain = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
     assert plain.headers["x-inferscale-facts-injected"] == "1"
-    tokens_c, logprobs_c = _tokens_and_logprobs(coded)
-    tokens_p, logprobs_p = _tokens_and_logprobs(plain)
-    assert tokens_c == tokens_p and _max_diff(logprobs_c, logprobs_p) < 1e-6
+    tokens_c, logprobs_c = tokens_and_logprobs(coded)
+    tokens_p, logprobs_p = tokens_and_logprobs(plain)
+    assert tokens_c == tokens_p and max_logprob_diff(logprobs_c, logprobs_p) < 1e-6
     if kv_format == "int2":  # control: the codes are not the encoded values
         await _restore(engine, store, fact_id, blob.k, blob.v, blob.token_ids, "raw")
         exact = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
-        assert _max_diff(_tokens_and_logprobs(exact)[1], logprobs_c) > 1e-3
+        assert max_logprob_diff(tokens_and_logprobs(exact)[1], logprobs_c) > 1e-3
 
 
 async def test_the_fact_served_first_is_exact_through_its_lead_encoding(
@@ -163,12 +155,12 @@ async def test_the_fact_served_first_is_exact_through_its_lead_encoding(
     for response in (text, lead, no_lead):
         assert response.headers["x-inferscale-fact-ids"] == str(rows[1].id), response.text
     assert lead.headers["x-inferscale-facts-injected"] == "1"
-    _, logprobs_t = _tokens_and_logprobs(text)
-    tokens_lead, logprobs_lead = _tokens_and_logprobs(lead)
-    assert tokens_lead == _tokens_and_logprobs(text)[0]
-    assert _max_diff(logprobs_lead, logprobs_t) < 1e-4
+    _, logprobs_t = tokens_and_logprobs(text)
+    tokens_lead, logprobs_lead = tokens_and_logprobs(lead)
+    assert tokens_lead == tokens_and_logprobs(text)[0]
+    assert max_logprob_diff(logprobs_lead, logprobs_t) < 1e-4
     # Control: the fact's own encoding (after the other fact) is measurably off here.
-    assert _max_diff(_tokens_and_logprobs(no_lead)[1], logprobs_t) > 1e-3
+    assert max_logprob_diff(tokens_and_logprobs(no_lead)[1], logprobs_t) > 1e-3
 
 
 async def test_key_scales_apply_to_the_facts_of_requests_that_ask(tiny_served, settings,
@@ -182,19 +174,19 @@ async def test_key_scales_apply_to_the_facts_of_requests_that_ask(tiny_served, s
     scaled = tiny_served.chat(user, question, k=1, **kwargs)  # the server's default: scaled
     unscaled = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
     assert scaled.headers["x-inferscale-facts-injected"] == "1"
-    _, logprobs_t = _tokens_and_logprobs(text)
-    assert _max_diff(_tokens_and_logprobs(unscaled)[1], logprobs_t) < 1e-4
+    _, logprobs_t = tokens_and_logprobs(text)
+    assert max_logprob_diff(tokens_and_logprobs(unscaled)[1], logprobs_t) < 1e-4
     # the fact's keys at 0.5 ** 0.75 of their size (the default strength): the question attends
     # to it differently
-    assert _max_diff(_tokens_and_logprobs(scaled)[1], logprobs_t) > 1e-3
+    assert max_logprob_diff(tokens_and_logprobs(scaled)[1], logprobs_t) > 1e-3
     again = tiny_served.chat(user, question, k=1, **kwargs)  # its own prefix-cache blocks
-    assert _max_diff(_tokens_and_logprobs(again)[1], _tokens_and_logprobs(scaled)[1]) < 1e-4
+    assert max_logprob_diff(tokens_and_logprobs(again)[1], tokens_and_logprobs(scaled)[1]) < 1e-4
     # another strength: the keys at 0.5 ** 0.5 of their size, neither unscaled nor the default
     half = tiny_served.chat(user, question, k=1, key_scales=0.5, **kwargs)
     assert half.headers["x-inferscale-facts-injected"] == "1"
-    assert _max_diff(_tokens_and_logprobs(half)[1], logprobs_t) > 1e-3
-    assert _max_diff(_tokens_and_logprobs(half)[1], _tokens_and_logprobs(scaled)[1]) > 1e-3
-    assert _max_diff(_tokens_and_logprobs(tiny_served.chat(
+    assert max_logprob_diff(tokens_and_logprobs(half)[1], logprobs_t) > 1e-3
+    assert max_logprob_diff(tokens_and_logprobs(half)[1], tokens_and_logprobs(scaled)[1]) > 1e-3
+    assert max_logprob_diff(tokens_and_logprobs(tiny_served.chat(
         user, question, k=1, key_scales=0, **kwargs))[1], logprobs_t) < 1e-4
 
 
@@ -225,7 +217,7 @@ async def test_evicted_facts_are_served_as_text_and_come_back_as_kv(
     await asyncio.to_thread(store.delete, [e.location for e in evicted])
     cold = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
     assert cold.status_code == 200 and cold.headers["x-inferscale-facts-injected"] == "0"
-    assert _tokens_and_logprobs(cold)[0] == _tokens_and_logprobs(text)[0]  # the same prompt
+    assert tokens_and_logprobs(cold)[0] == tokens_and_logprobs(text)[0]  # the same prompt
     for _ in range(50):  # the server marks the user's facts wanted, off the request
         async with engine.connect() as conn:
             wanted = (await conn.execute(select(facts.c.kv_wanted_at).where(
@@ -239,6 +231,6 @@ async def test_evicted_facts_are_served_as_text_and_come_back_as_kv(
     await EncodeWorker(cfg, engine, encoder, store).run(drain=True)
     warm = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
     assert warm.headers["x-inferscale-facts-injected"] == "1"
-    tokens_w, logprobs_w = _tokens_and_logprobs(warm)
-    assert tokens_w == _tokens_and_logprobs(text)[0]
-    assert _max_diff(logprobs_w, _tokens_and_logprobs(text)[1]) < 1e-4
+    tokens_w, logprobs_w = tokens_and_logprobs(warm)
+    assert tokens_w == tokens_and_logprobs(text)[0]
+    assert max_logprob_diff(logprobs_w, tokens_and_logprobs(text)[1]) < 1e-4

@@ -3,7 +3,7 @@ AVX-512 and AMX hosts). The fused writers take bf16 caches only, so the connecto
 the attention backend's own cache update, which quantises with the layer's scales as the engine
 does for prefilled tokens. Text prefill attends to its own tokens' unquantised K/V within its
 pass and injected memory is read back from fp8 (as a prefix-cache hit would be), so the two are
-close, not equal: the first token's distribution is compared (the blob stored raw: this is
+close, not equal: the first token's top logprobs are compared (the blob stored raw: this is
 about the cache's format, not the blob's)."""
 
 import uuid
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import running_server
-from helpers import ingest_and_encode, turn
+from helpers import ingest_and_encode, max_logprob_diff, tokens_and_logprobs, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
@@ -32,13 +32,6 @@ def fp8_served(base_settings, tiny_models, tmp_path_factory):
                         ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
                          "--kv-cache-dtype", "fp8"]) as server:
         yield server
-
-
-def _logprobs(response) -> tuple[list[str], list[dict[str, float]]]:
-    assert response.status_code == 200, response.text
-    content = response.json()["choices"][0]["logprobs"]["content"]
-    return ([c["token"] for c in content],
-            [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content])
 
 
 def _load_failures(server) -> float:
@@ -64,8 +57,11 @@ async def test_injection_writes_an_fp8_cache_through_the_backend(
     assert injected.headers["x-inferscale-facts-injected"] == "1"
     assert _load_failures(fp8_served) == failures  # written, not recomputed
     text = fp8_served.chat(user, question, k=1, mode="text", **kwargs)
-    tokens_i, logprobs_i = _logprobs(injected)
-    tokens_t, logprobs_t = _logprobs(text)
-    assert len(tokens_i) == 8 and tokens_i[0] == tokens_t[0]
-    first_i, first_t = logprobs_i[0], logprobs_t[0]
-    assert max(abs(first_i[t] - first_t[t]) for t in first_i if t in first_t) < 0.25
+    tokens_i, logprobs_i = tokens_and_logprobs(injected)
+    _, logprobs_t = tokens_and_logprobs(text)
+    assert len(tokens_i) == 8
+    shared = set(logprobs_i[0]) & set(logprobs_t[0])
+    assert len(shared) >= 3 and max_logprob_diff(logprobs_i[:1], logprobs_t[:1]) < 0.25
+    # Control: without the memory the first token's top 5 are others (measured: none shared)
+    none = tokens_and_logprobs(fp8_served.chat(user, question, k=1, mode="none", **kwargs))[1]
+    assert len(set(none[0]) & set(logprobs_t[0])) < len(shared)
