@@ -171,12 +171,11 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
-    """Seeded tiny random Llama, Qwen2 (qkv bias) and Qwen3 (key norm), fp32."""
-    from models import tiny_model
+    """Seeded tiny random models of every supported family (``models.KINDS``), fp32."""
+    from models import KINDS, tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
-    kinds = ("llama", "qwen2", "qwen3")
-    return {kind: tiny_model(kind, smollm2_dir, root / kind) for kind in kinds}
+    return {kind: tiny_model(kind, smollm2_dir, root / kind) for kind in KINDS}
 
 
 class Server:

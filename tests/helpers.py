@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord
@@ -79,5 +80,7 @@ def tokens_and_logprobs(response) -> tuple[list[str], list[dict[str, float]]]:
 
 
 def max_logprob_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
-    """The largest difference of a token's logprob present in both, position by position."""
-    return max(abs(x[t] - y[t]) for x, y in zip(a, b, strict=True) for t in x if t in y)
+    """The largest difference of a token's logprob present in both, position by position;
+    infinite where no position shares a token (as far apart as they can be)."""
+    return max((abs(x[t] - y[t]) for x, y in zip(a, b, strict=True) for t in x if t in y),
+               default=math.inf)

@@ -30,3 +30,26 @@ def kv_case(gen: torch.Generator, layers: int, heads: int, dim: int, block_size:
     slots = order[positions // block_size] * block_size + positions % block_size
     scales = (torch.rand(layers, tokens, generator=gen) + 0.5).to(BF16) if scaled else None
     return pieces, positions, slots, scales, (blocks, heads, block_size, 2 * dim)
+
+
+def rope_config(layers: int, heads: int, dim: int, partial: float, per_layer: bool,
+                max_position: int = 4096):
+    """A config whose RoPE turns ``partial`` of each head's ``dim`` dimensions: one table for
+    every layer (Llama), or ``per_layer`` a local and a global one, layers alternating
+    (Gemma 3's sliding and full layers)."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    common = dict(hidden_size=2 * heads * dim, num_attention_heads=2 * heads,
+                  num_key_value_heads=heads,
+                  head_dim=dim, max_position_embeddings=max_position, num_hidden_layers=layers,
+                  intermediate_size=64, vocab_size=100)
+    if not per_layer:
+        return LlamaConfig(**common, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial})
+    kinds = ["sliding_attention", "full_attention"]
+    return Gemma3TextConfig(**common, sliding_window=64,
+                            layer_types=[kinds[i % 2] for i in range(layers)],
+                            rope_parameters={
+                                kind: {"rope_type": "default", "rope_theta": theta,
+                                       "partial_rotary_factor": partial}
+                                for kind, theta in zip(kinds, (1e4, 1e6), strict=True)})

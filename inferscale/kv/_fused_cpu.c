@@ -63,7 +63,8 @@ typedef struct {
     const int64_t *v_params;           /* per token: its layer-0 [heads][2] */
     const int64_t *v_params_stride;    /* per token: elements between its layers' params */
     const int64_t *slots, *positions;
-    const uint16_t *cos_sin;           /* [max_position][rot]: cos | sin */
+    const uint16_t *cos_sin;           /* [tables * max_position][rot]: cos | sin */
+    const int64_t *layer_rows;         /* per layer: the first row of its table in cos_sin */
     const uint16_t *scales;            /* [layers][tokens] bf16 key scales, or NULL */
     const int64_t *caches;             /* per layer: address of its cache */
 } job_t;
@@ -136,7 +137,8 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
             }
         }
         for (int64_t i = 0; i < n; i++) {
-            const uint16_t *table = j->cos_sin + j->positions[t + i] * rot;
+            const uint16_t *table =
+                j->cos_sin + (j->layer_rows[layer] + j->positions[t + i]) * rot;
             float f = j->scales ? bf(j->scales[layer * tokens + t + i]) : 1.0f;
             for (int64_t d = 0; d < rot; d++) cs[i][d] = bf(rbf(bf(table[d]) * f));
             scale[i] = f;
@@ -242,14 +244,15 @@ static int supported(const job_t *j) {
 }
 
 /* inject(layout, layers, heads, dim, rot, block_size, tokens, piece_k, piece_v, layer_stride,
-          bits, k_params, v_params, v_params_stride, slots, positions, cos_sin, scales, caches):
+          bits, k_params, v_params, v_params_stride, slots, positions, cos_sin, layer_rows,
+          scales, caches):
    addresses are ints (0: no scales); the per-token tables are int64 */
 static PyObject *inject(PyObject *self, PyObject *args) {
     job_t j;
-    int64_t layers, a[12];
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim,
+    int64_t layers, a[13];
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim,
                           &j.rot, &j.block_size, &j.tokens, &a[0], &a[1], &a[2], &a[3], &a[4],
-                          &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11]))
+                          &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11], &a[12]))
         return NULL;
     if (!supported(&j) || layers < 0) {
         PyErr_SetString(PyExc_ValueError, "fused KV write: unsupported shape or layout");
@@ -265,8 +268,9 @@ static PyObject *inject(PyObject *self, PyObject *args) {
     j.slots = (const int64_t *)(intptr_t)a[7];
     j.positions = (const int64_t *)(intptr_t)a[8];
     j.cos_sin = (const uint16_t *)(intptr_t)a[9];
-    j.scales = (const uint16_t *)(intptr_t)a[10];
-    j.caches = (const int64_t *)(intptr_t)a[11];
+    j.layer_rows = (const int64_t *)(intptr_t)a[10];
+    j.scales = (const uint16_t *)(intptr_t)a[11];
+    j.caches = (const int64_t *)(intptr_t)a[12];
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for schedule(static)
     for (int64_t layer = 0; layer < layers; layer++) inject_layer(&j, layer);

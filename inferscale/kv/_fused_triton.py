@@ -1,16 +1,17 @@
 """The fused KV write as one Triton kernel, for vLLM's CUDA paged cache (``kvwrite.py``).
 
 One program per (token, layer): read the token's stored key and value rows of that layer
-(through a table of row addresses, so the facts' blobs are read where they lie), rotate the
-key to the token's position (and scale it) and store both in the layer's block layout
-``[blocks, heads, block_size, 2 * head_dim]`` (K in the first half of the last dimension, V in
-the second), at the token's slot. Rounding follows one of two rotary kernels, as the chain
-rounds with it: ``ROUND_ONCE`` each rotated element computed in fp32 and rounded to bf16 once
-(vLLM's CPU kernel), else every product and sum rounded to bf16 (torch's bf16 ops; c10's
-BFloat16 arithmetic rounds so too). Products of two bf16 values are exact in fp32, so neither
-depends on fused multiply-adds. Values reach memory only as bf16 values exactly, so the final
-casts round nothing. A token whose rows are integer codes (``bits`` < 16, ``kv_format.py``) is
-dequantised as it is read: code * scale + zero in fp32 (an exact product), rounded to bf16.
+(through a table of row addresses, so the facts' blobs are read where they lie), rotate the key
+to the token's position with the layer's cos|sin table (and scale it) and store both in the
+layer's block layout ``[blocks, heads, block_size, 2 * head_dim]`` (K in the first half of the
+last dimension, V in the second), at the token's slot. Rounding follows one of two rotary
+kernels, as the chain rounds with it: ``ROUND_ONCE`` each rotated element computed in fp32 and
+rounded to bf16 once (vLLM's CPU kernel), else every product and sum rounded to bf16 (torch's
+bf16 ops; c10's BFloat16 arithmetic rounds so too). Products of two bf16 values are exact in
+fp32, so neither depends on fused multiply-adds. Values reach memory only as bf16 values
+exactly, so the final casts round nothing. A token whose rows are integer codes (``bits`` < 16,
+``kv_format.py``) is dequantised as it is read: code * scale + zero in fp32 (an exact product),
+rounded to bf16.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def _row(row, heads, d, mask, bits, params, step, DIM: tl.constexpr):
 
 @triton.jit
 def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_params_strides,
-                  positions, slots, cos_sin, scales, caches, tokens, block_size, stride_block,
-                  stride_head, stride_slot, HEADS: tl.constexpr, DIM: tl.constexpr,
+                  positions, slots, cos_sin, scales, caches, layer_rows, tokens, block_size,
+                  stride_block, stride_head, stride_slot, HEADS: tl.constexpr, DIM: tl.constexpr,
                   ROT: tl.constexpr, HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr,
                   REST_P2: tl.constexpr, DIM_P2: tl.constexpr, SCALED: tl.constexpr,
                   ROUND_ONCE: tl.constexpr):
@@ -65,7 +66,7 @@ def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_pa
         layer * HEADS * 2 * DIM)
     value_params = tl.load(v_params + token).to(tl.pointer_type(tl.bfloat16)) + (
         layer * tl.load(v_params_strides + token))
-    position = tl.load(positions + token)
+    table_row = tl.load(layer_rows + layer) + tl.load(positions + token)  # in cos_sin
     slot = tl.load(slots + token)
     cache = tl.load(caches + layer).to(tl.pointer_type(tl.bfloat16))
     out = cache + (slot // block_size) * stride_block + (slot % block_size) * stride_slot
@@ -79,8 +80,8 @@ def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_pa
     rotated = (heads < HEADS) & (d < half)
     x = _row(key_row, heads, d, rotated, bits, key_params, DIM, DIM)
     y = _row(key_row, heads, d + half, rotated, bits, key_params, DIM, DIM)
-    cos = tl.load(cos_sin + position * ROT + d, mask=d < half).to(tl.float32)
-    sin = tl.load(cos_sin + position * ROT + half + d, mask=d < half).to(tl.float32)
+    cos = tl.load(cos_sin + table_row * ROT + d, mask=d < half).to(tl.float32)
+    sin = tl.load(cos_sin + table_row * ROT + half + d, mask=d < half).to(tl.float32)
     if SCALED:
         cos = _bf16(cos * scale)
         sin = _bf16(sin * scale)

@@ -1,8 +1,9 @@
 """Context-Window Encoding: per-fact K (before RoPE) and V from one batched forward pass.
 
 Each sequence is ``[preamble][context segments][fact segment]``; only the fact segment's K/V is
-kept. Keys are captured at the input of the rotary embedding: after ``k_proj`` (with its bias)
-and after the per-head key norm where the model has one (Qwen3).
+kept. Keys are captured at the input of the rotary embedding, where the model's family has them
+(``model_family.py``): after the key projection (with its bias), after the per-head key norm
+where the family has one (Qwen3, Gemma 3), or as the key part of a fused projection (Phi-3).
 """
 
 from __future__ import annotations
@@ -11,23 +12,15 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from inferscale.contracts.layout import MemoryLayout
 from inferscale.contracts.plan import PREAMBLE
+from inferscale.kv.model_family import attention_shape
 from inferscale.kv.store import KVStore
 from inferscale.platform.settings import Settings
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
-
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-
-
-class UnsupportedModel(ValueError):
-    """The model cannot be served with pre-RoPE KV reuse."""
 
 
 @dataclass(frozen=True)
@@ -45,21 +38,6 @@ class EncodedSpan:
     k: torch.Tensor
     v: torch.Tensor
     token_ids: list[int]
-
-
-def check_supported(config: PreTrainedConfig) -> None:
-    """Refuse models whose attention is not plain full attention with RoPE."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(f"model type {model_type!r} is not supported "
-                               f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})")
-    if not getattr(config, "rope_parameters", None):
-        raise UnsupportedModel("the model has no rotary position embedding")
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    uses_window = getattr(config, "use_sliding_window", model_type == "mistral")
-    if layer_types != {"full_attention"} or (getattr(config, "sliding_window", None)
-                                             and uses_window):
-        raise UnsupportedModel("sliding-window or hybrid attention is not supported")
 
 
 def default_device() -> torch.device:
@@ -82,7 +60,7 @@ class FactEncoder:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model_path)
-        check_supported(config)
+        self.shape = attention_shape(config)  # refuses what pre-RoPE reuse cannot serve
         self.config = config
         self.device = torch.device(device) if device else default_device()
         kv_dtype = getattr(config, "dtype", None) or torch.float32
@@ -103,19 +81,24 @@ class FactEncoder:
     def _register_hooks(self) -> None:
         layers = self.model.model.layers
         self._captured = [[None, None] for _ in layers]
+        family = self.shape.family
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            key_source = attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj
-            key_source.register_forward_hook(self._hook(i, 0))
-            attn.v_proj.register_forward_hook(self._hook(i, 1))
+            getattr(attn, family.keys).register_forward_hook(self._hook(i, 0))
+            getattr(attn, family.values).register_forward_hook(self._hook(i, 1))
 
     def _hook(self, layer: int, slot: int
               ) -> Callable[[torch.nn.Module, tuple[Any, ...], torch.Tensor], None]:
+        part = self.shape.projection_slice(slot)
+        heads_first = slot == 0 and self.shape.family.heads_first
+
         def capture(_module: torch.nn.Module, _inputs: tuple[Any, ...],
                     output: torch.Tensor) -> None:
             if self._index is None:
                 return
-            flat = output.reshape(output.shape[0], output.shape[1], -1)
+            if heads_first:
+                output = output.transpose(1, 2)
+            flat = output.reshape(output.shape[0], output.shape[1], -1)[..., part]
             rows = torch.arange(flat.shape[0], device=flat.device).unsqueeze(1)
             self._captured[layer][slot] = flat[rows, self._index]
 
@@ -123,14 +106,11 @@ class FactEncoder:
 
     @property
     def kv_heads(self) -> int:
-        heads: int = self.config.num_key_value_heads
-        return heads
+        return self.shape.kv_heads
 
     @property
     def head_dim(self) -> int:
-        from inferscale.kv.rope import model_head_dim
-
-        return model_head_dim(self.config)
+        return self.shape.head_dim
 
     def _fit(self, item: EncodeItem) -> list[int]:
         """Drop the oldest context tokens (after the preamble) beyond ``max_tokens``."""

@@ -27,6 +27,7 @@ import torch
 
 from inferscale.contracts.kv_format import FORMATS, RAW_BITS, KVPiece, PieceLike, as_piece, quantize
 from inferscale.kv.chain import to_device
+from inferscale.kv.rope import ChunkedRope
 
 _fused_cpu: ModuleType | None
 _fused_triton: ModuleType | None
@@ -64,13 +65,14 @@ def _pointers(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 class _FusedWriter:
     """Writes ``[layers, tokens, heads, head_dim]`` K/V pieces into the caches of ``layers``
     attention layers (cache ``[blocks, heads, block_size, 2 * head_dim]`` each), rotating the
-    keys to their positions with ``cos_sin [positions, rotary_dim]`` and scaling them."""
+    keys to their positions with each layer's table of ``rope`` and scaling them."""
 
     device_type = "cpu"
 
-    def __init__(self, cos_sin: torch.Tensor, rotary_dim: int):
-        self._cos_sin = cos_sin
-        self._rotary_dim = rotary_dim
+    def __init__(self, rope: ChunkedRope):
+        self._rope = rope
+        self._cos_sin = rope.cos_sin.contiguous()
+        self._rotary_dim = rope.rotary_dim
 
     def _is_cache(self, cache: Any) -> bool:
         """Whether ``cache`` is memory the kernel may write: a 4-d bf16 tensor on the device."""
@@ -79,9 +81,11 @@ class _FusedWriter:
 
     def _takes(self, layers: Sequence[tuple[int, Any]], num_layers: int) -> bool:
         """Whether this writer can take these attention layers (index, layer): every layer
-        present, each cache one it may write, unquantised, and its table bf16 on their device."""
+        present, each cache one it may write, unquantised, and its tables bf16 on their
+        device, turning neox halves (the kernels' rotation)."""
         cos_sin = self._cos_sin
-        return (sorted(index for index, _ in layers) == list(range(num_layers))
+        return (self._rope.neox
+                and sorted(index for index, _ in layers) == list(range(num_layers))
                 and all(self._is_cache(layer.kv_cache) for _, layer in layers)
                 and all(getattr(layer.impl, "kv_cache_dtype", "auto") == "auto"
                         for _, layer in layers)
@@ -113,7 +117,7 @@ class _FusedWriter:
             raise ValueError("fused KV write: positions and slots are checked on the host")
         if tokens == 0:
             return None
-        if int(positions.min()) < 0 or int(positions.max()) >= self._cos_sin.shape[0]:
+        if int(positions.min()) < 0 or int(positions.max()) >= self._rope.max_position:
             raise ValueError("fused KV write: a position lies outside the RoPE table")
         if int(slots.min()) < 0 or int(slots.max()) >= blocks * block_size:
             raise ValueError("fused KV write: a slot lies outside the cache")
@@ -182,16 +186,17 @@ class FusedCpuWriter(_FusedWriter):
 
     name = "fused CPU kernel"
 
-    def __init__(self, layout: int, cos_sin: torch.Tensor, rotary_dim: int):
-        super().__init__(cos_sin, rotary_dim)
+    def __init__(self, layout: int, rope: ChunkedRope):
+        super().__init__(rope)
         self._layout = layout
+        self._layer_rows = rope.layer_rows.cpu()
 
     def _is_cache(self, cache: Any) -> bool:
         return super()._is_cache(cache) and cache.is_contiguous()
 
     @classmethod
     def for_layers(cls, layers: Sequence[tuple[int, Any]], num_layers: int,
-                   cos_sin: torch.Tensor, rotary_dim: int) -> FusedCpuWriter | None:
+                   rope: ChunkedRope) -> FusedCpuWriter | None:
         """A writer for these attention layers (index, layer), or None where the kernel does
         not apply: not built, another ISA, not bf16, a quantised cache, a layer missing."""
         if _fused_cpu is None:
@@ -199,7 +204,7 @@ class FusedCpuWriter(_FusedWriter):
         isas = {getattr(layer, "isa", None) for _, layer in layers}
         if len(isas) != 1 or (isa := isas.pop()) not in LAYOUTS:
             return None
-        writer = cls(LAYOUTS[isa], cos_sin.contiguous(), rotary_dim)
+        writer = cls(LAYOUTS[isa], rope)
         return writer if writer._takes(layers, num_layers) else None
 
     def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
@@ -218,7 +223,7 @@ class FusedCpuWriter(_FusedWriter):
                         t["k_params"].data_ptr(), t["v_params"].data_ptr(),
                         t["v_params_strides"].data_ptr(), t["slots"].data_ptr(),
                         t["positions"].data_ptr(),
-                        self._cos_sin.data_ptr(),
+                        self._cos_sin.data_ptr(), self._layer_rows.data_ptr(),
                         0 if t["scales"] is None else t["scales"].data_ptr(),
                         t["caches"].data_ptr())
 
@@ -235,9 +240,8 @@ class FusedTritonWriter(_FusedWriter):
     every bf16 op (torch's ops). ``device_type`` "cpu" runs it under Triton's interpreter
     (``TRITON_INTERPRET=1``, tests)."""
 
-    def __init__(self, cos_sin: torch.Tensor, rotary_dim: int, round_once: bool = False,
-                 device_type: str = "cuda"):
-        super().__init__(cos_sin, rotary_dim)
+    def __init__(self, rope: ChunkedRope, round_once: bool = False, device_type: str = "cuda"):
+        super().__init__(rope)
         self.round_once = round_once
         self.device_type = device_type
         self.name = f"fused Triton kernel ({'one rounding' if round_once else 'bf16 ops'})"
@@ -246,18 +250,18 @@ class FusedTritonWriter(_FusedWriter):
         return super()._is_cache(cache) and cache.stride(-1) == 1
 
     @classmethod
-    def roundings(cls, cos_sin: torch.Tensor, rotary_dim: int) -> list[FusedTritonWriter]:
+    def roundings(cls, rope: ChunkedRope) -> list[FusedTritonWriter]:
         """One writer per rounding, in the order they are probed."""
-        return [cls(cos_sin.contiguous(), rotary_dim, round_once) for round_once in (False, True)]
+        return [cls(rope, round_once) for round_once in (False, True)]
 
     @classmethod
     def for_layers(cls, layers: Sequence[tuple[int, Any]], num_layers: int,
-                   cos_sin: torch.Tensor, rotary_dim: int) -> list[FusedTritonWriter]:
+                   rope: ChunkedRope) -> list[FusedTritonWriter]:
         """Writers for these CUDA attention layers, one per rounding (none where the kernel
         does not apply: no Triton, not bf16, a quantised cache, a layer missing)."""
         if _fused_triton is None:
             return []
-        return [writer for writer in cls.roundings(cos_sin, rotary_dim)
+        return [writer for writer in cls.roundings(rope)
                 if writer._takes(layers, num_layers)]
 
     def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
@@ -280,20 +284,20 @@ class FusedTritonWriter(_FusedWriter):
         stride_block, stride_head, stride_slot = caches[0].stride()[:3]
         assert _fused_triton is not None  # writers are used only where Triton imports
         _fused_triton.inject_kernel[(tokens, layers)](
-            *tables, self._cos_sin, scales, on_device[len(per_token) * tokens:], tokens,
+            *tables, self._cos_sin, scales, on_device[len(per_token) * tokens:],
+            self._rope.layer_rows, tokens,
             t["block_size"], stride_block, stride_head, stride_slot, HEADS=heads, DIM=dim,
             ROT=rotary, HEADS_P2=_pow2(heads), HALF_P2=_pow2(rotary // 2),
             REST_P2=_pow2(max(dim - rotary, 1)), DIM_P2=_pow2(dim),
             SCALED=scaled, ROUND_ONCE=self.round_once)
 
 
-def fused_writers(layers: Sequence[tuple[int, Any]], num_layers: int, cos_sin: torch.Tensor,
-                  rotary_dim: int) -> list[FusedCpuWriter | FusedTritonWriter]:
+def fused_writers(layers: Sequence[tuple[int, Any]], num_layers: int, rope: ChunkedRope
+                  ) -> list[FusedCpuWriter | FusedTritonWriter]:
     """The fused writers that apply to these attention layers (see ``for_layers``), to be
     probed in order: the first that writes what the chain writes is used."""
-    cpu = FusedCpuWriter.for_layers(layers, num_layers, cos_sin, rotary_dim)
-    return [cpu] if cpu else [*FusedTritonWriter.for_layers(layers, num_layers, cos_sin,
-                                                            rotary_dim)]
+    cpu = FusedCpuWriter.for_layers(layers, num_layers, rope)
+    return [cpu] if cpu else [*FusedTritonWriter.for_layers(layers, num_layers, rope)]
 
 
 def writes_like(writer: FusedCpuWriter | FusedTritonWriter, chain: ChainWrite,

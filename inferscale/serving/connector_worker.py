@@ -127,7 +127,7 @@ class ConnectorWorker:
                 self._chain.release()
 
             self._writer = first_exact(
-                fused_writers(layers, self.kv_shape[0], self.rope.cos_sin, self.rope.rotary_dim),
+                fused_writers(layers, self.kv_shape[0], self.rope),
                 chain, self.kv_shape, self.block_size)
             log.info("KV writes: %s", self._writer.name if self._writer else "vLLM's ops")
         return self._writer

@@ -99,11 +99,24 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
     return argv, env
 
 
+def check_model(model_path: Path) -> None:
+    """Refuse a model that pre-RoPE reuse cannot serve, naming why, before vLLM starts
+    (``UnsupportedModel``)."""
+    from transformers import AutoConfig
+
+    from inferscale.kv.model_family import attention_shape
+
+    attention_shape(AutoConfig.from_pretrained(model_path))
+
+
 def start_server(settings: Settings, extra_args: list[str] | None = None,
                  log_path: Path | None = None) -> subprocess.Popen:
-    """Start the server in the background (after making sure the preamble KV and the query
-    embedder's ONNX export exist, so the first request pays for neither)."""
-    ensure_preamble_kv(settings, resolve_model_path(settings))
+    """Start the server in the background (after refusing a model it cannot serve and making
+    sure the preamble KV and the query embedder's ONNX export exist, so the first request pays
+    for neither)."""
+    model_path = resolve_model_path(settings)
+    check_model(model_path)
+    ensure_preamble_kv(settings, model_path)
     from inferscale.pipeline.embedder import Embedder, onnx_cache
 
     if (cache := onnx_cache(settings)) is not None:

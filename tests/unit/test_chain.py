@@ -178,7 +178,7 @@ def test_the_triton_writer_on_cuda_writes_the_chains_bits(partial):
                                                          [0, 3, 1, 0], 30, 16, CUDA)
         scales = scales if scaled else None
         theirs = [torch.zeros_like(cache) for cache in caches]
-        FusedTritonWriter(rope.cos_sin, rope.rotary_dim).write(pieces, positions, slots, scales,
+        FusedTritonWriter(rope).write(pieces, positions, slots, scales,
                                                                caches)
         ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(theirs))
         assert all(torch.equal(a, b) for a, b in zip(caches, theirs, strict=True))

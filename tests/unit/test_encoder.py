@@ -1,10 +1,14 @@
 """Context-Window Encoding exactness on seeded tiny random models (fp32)."""
 
+import os
+
 import pytest
 import torch
 
-from inferscale.kv.encoder import FactEncoder, UnsupportedModel, check_supported
+from inferscale.kv.encoder import FactEncoder
+from inferscale.kv.model_family import UnsupportedModel, attention_shape
 from inferscale.kv.rope import ChunkedRope
+from models import KINDS
 
 CONTEXT = ["3 March 2025 Sam: I moved to Lisbon last month.",
            "3 March 2025 Alex: Do you still work as a nurse?"]
@@ -12,16 +16,20 @@ FACT = "3 March 2025 Sam: No, I am a marine biologist at the aquarium now."
 
 
 def joint_kv(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Post-RoPE K and V of a plain joint prefill, as [layers, tokens, heads, dim]."""
+    """Post-RoPE K and V of a plain joint prefill, as [layers, tokens, heads, dim] (every
+    token's, in sliding-window layers too)."""
+    from transformers import DynamicCache
+
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([ids]), use_cache=True)
+        out = model(input_ids=torch.tensor([ids]), use_cache=True,
+                    past_key_values=DynamicCache())
     layers = out.past_key_values.layers
     k = torch.stack([layer.keys[0].transpose(0, 1) for layer in layers])
     v = torch.stack([layer.values[0].transpose(0, 1) for layer in layers])
     return k, v
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_window_covering_everything_matches_joint_prefill(kind, tiny_models):
     encoder = FactEncoder(tiny_models[kind], device="cpu", dtype=torch.float32)
     item = encoder.fact_item(FACT, CONTEXT)
@@ -40,7 +48,7 @@ def test_window_covering_everything_matches_joint_prefill(kind, tiny_models):
     assert not torch.allclose(span.k, ref_k[:, start:], atol=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_layer0_exact_at_any_position(kind, tiny_models):
     encoder = FactEncoder(tiny_models[kind], device="cpu", dtype=torch.float32)
     span = encoder.encode([encoder.fact_item(FACT, [])])[0]  # w = 0
@@ -66,17 +74,54 @@ def test_preamble_kv_is_the_prefix_of_any_prompt(tiny_models):
     torch.testing.assert_close(preamble.v, ref_v[:, :n], rtol=1e-5, atol=1e-5)
 
 
-def test_unsupported_models_are_refused():
-    from transformers import GPT2Config, MistralConfig, Qwen2Config
+def test_unsupported_models_are_refused_with_the_reason():
+    from transformers import DeepseekV3Config, GPT2Config, LlamaConfig, Phi3Config
 
     with pytest.raises(UnsupportedModel, match="not supported"):
-        check_supported(GPT2Config())
-    with pytest.raises(UnsupportedModel, match="sliding-window"):
-        check_supported(MistralConfig(sliding_window=4096))
-    with pytest.raises(UnsupportedModel, match="sliding-window"):
-        check_supported(Qwen2Config(use_sliding_window=True, sliding_window=128,
-                                    max_window_layers=0))
-    check_supported(MistralConfig(sliding_window=None))
+        attention_shape(GPT2Config())
+    with pytest.raises(UnsupportedModel, match="latent attention"):
+        attention_shape(DeepseekV3Config(num_hidden_layers=2))
+    with pytest.raises(UnsupportedModel, match="dynamic NTK"):
+        attention_shape(LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                     "rope_theta": 10000.0}))
+    with pytest.raises(UnsupportedModel, match="LongRoPE"):
+        attention_shape(Phi3Config(max_position_embeddings=8192, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 48,
+            "long_factor": [2.0] * 48, "original_max_position_embeddings": 4096}))
+    no_rope = LlamaConfig()
+    no_rope.rope_parameters = None
+    with pytest.raises(UnsupportedModel, match="no rotary"):
+        attention_shape(no_rope)
+
+
+def test_serve_refuses_an_unsupported_model_before_starting(tmp_path):
+    """`inferscale serve` with a model of latent attention: a clear error, no vLLM started."""
+    import subprocess
+    import sys
+
+    from transformers import DeepseekV3Config
+
+    DeepseekV3Config(num_hidden_layers=2).save_pretrained(tmp_path / "model")
+    done = subprocess.run([sys.executable, "-m", "inferscale.cli", "serve"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "INFERSCALE_MODEL_PATH": str(
+                              tmp_path / "model"), "INFERSCALE_DATA_DIR": str(tmp_path)})
+    assert done.returncode != 0
+    assert "latent attention" in done.stderr + done.stdout
+
+
+def test_each_layer_gets_its_window_and_rope_parameters(tiny_models):
+    from transformers import AutoConfig, MistralConfig
+
+    gemma = attention_shape(AutoConfig.from_pretrained(tiny_models["gemma3"]))
+    assert gemma.windows == (32, 32, None)
+    assert [gemma.rope_parameters[i]["rope_theta"] for i in gemma.layer_rope] == [
+        10000.0, 10000.0, 1000000.0]
+    assert attention_shape(MistralConfig(sliding_window=4096, num_hidden_layers=2)
+                           ).windows == (4096, 4096)
+    assert attention_shape(MistralConfig(sliding_window=None, num_hidden_layers=2)
+                           ).windows == (None, None)
+    phi3 = attention_shape(AutoConfig.from_pretrained(tiny_models["phi3"]))
+    assert phi3.projection_slice(0) == slice(2 * 64, 3 * 64)  # after the 2 query heads
 
 
 def test_encode_dtype_setting_picks_the_compute_dtype(tiny_models):

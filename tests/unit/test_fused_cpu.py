@@ -11,8 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcases import kv_case
-from transformers import LlamaConfig
+from kvcases import kv_case, rope_config
 from vllm import _custom_ops as ops
 
 from inferscale.contracts.kv_format import FORMATS, as_piece
@@ -35,12 +34,9 @@ def test_kernel_is_built_where_a_compiler_is():
     assert Path(built.origin).stat().st_mtime >= source.stat().st_mtime
 
 
-def _rope(layers: int, heads: int, dim: int, partial: float) -> ChunkedRope:
-    config = LlamaConfig(hidden_size=2 * dim, num_attention_heads=2, num_key_value_heads=heads,
-                         head_dim=dim, max_position_embeddings=4096, num_hidden_layers=layers,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "partial_rotary_factor": partial})
-    return ChunkedRope(config, BF16)
+def _rope(layers: int, heads: int, dim: int, partial: float,
+          per_layer: bool = False) -> ChunkedRope:
+    return ChunkedRope(rope_config(layers, heads, dim, partial, per_layer), BF16)
 
 
 class _CpuImpl:
@@ -71,20 +67,22 @@ def _chain(pieces, positions, slots, scales, caches, rope, isa):
        block_size=st.sampled_from([32, 128]),
        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
        start=st.integers(0, 300), scaled=st.booleans(), seed=st.integers(0, 2**16),
-       formats=st.none() | st.lists(st.sampled_from(sorted(FORMATS)), min_size=4, max_size=4))
+       formats=st.none() | st.lists(st.sampled_from(sorted(FORMATS)), min_size=4, max_size=4),
+       per_layer=st.booleans())
 def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_size, lengths,
-                                                start, scaled, seed, formats):
-    """Raw rows and every coded format, mixed in one write (a store may hold several)."""
+                                                start, scaled, seed, formats, per_layer):
+    """Raw rows and every coded format, mixed in one write (a store may hold several); one
+    RoPE table for all layers or one per layer type."""
     gen = torch.Generator().manual_seed(seed)
     layers = 3
     skips = torch.randint(0, 4, (len(lengths),), generator=gen).tolist()
     pieces, positions, slots, scales, shape = kv_case(gen, layers, heads, dim, block_size,
                                                     lengths, skips, start, scaled,
                                                     formats=formats and formats[:len(lengths)])
-    rope = _rope(layers, heads, dim, partial)
+    rope = _rope(layers, heads, dim, partial, per_layer)
     ours = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
     theirs = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
-    FusedCpuWriter(LAYOUTS[isa], rope.cos_sin, rope.rotary_dim).write(
+    FusedCpuWriter(LAYOUTS[isa], rope).write(
         pieces, positions, slots, scales, ours)
     _chain(pieces, positions, slots, scales, theirs, rope, isa)
     for layer in range(layers):
@@ -99,7 +97,7 @@ def _writer_and_case(**overrides):
     case = {"pieces": pieces, "positions": positions, "slots": slots, "scales": scales,
             "caches": [torch.zeros(shape, dtype=BF16) for _ in range(2)]}
     case.update(overrides)
-    return FusedCpuWriter(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim), case
+    return FusedCpuWriter(LAYOUTS["vec"], rope), case
 
 
 @needs_kernel
@@ -143,8 +141,20 @@ def _layers(isa="amx", dtype=BF16, cache_dtype="auto", indices=(0, 1)):
 ])
 def test_writer_applies_only_where_the_kernel_does(layers, applies):
     rope = _rope(2, 1, 64, 1.0)
-    writer = FusedCpuWriter.for_layers(layers, 2, rope.cos_sin, rope.rotary_dim)
+    writer = FusedCpuWriter.for_layers(layers, 2, rope)
     assert (writer is not None) == applies
+
+
+@needs_kernel
+def test_interleaved_rotary_goes_the_portable_way():
+    """The kernel turns neox halves; a family that turns neighbouring pairs (GLM) is written
+    by the portable chain."""
+    from transformers import Glm4Config
+
+    config = Glm4Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=64, num_hidden_layers=2, vocab_size=100, pad_token_id=None)
+    assert FusedCpuWriter.for_layers(_layers(isa="vec"), 2, _rope(2, 1, 64, 1.0)) is not None
+    assert FusedCpuWriter.for_layers(_layers(isa="vec"), 2, ChunkedRope(config, BF16)) is None
 
 
 @needs_kernel
@@ -159,7 +169,7 @@ def test_caches_not_aligned_to_lines_are_written_alike():
     ours = [torch.zeros(size + 1, dtype=BF16)[1:].view(shape) for _ in range(2)]
     assert all(cache.data_ptr() % 16 for cache in ours)
     theirs = [torch.zeros(shape, dtype=BF16) for _ in range(2)]
-    FusedCpuWriter(LAYOUTS["amx"], rope.cos_sin, rope.rotary_dim).write(
+    FusedCpuWriter(LAYOUTS["amx"], rope).write(
         pieces, positions, slots, scales, ours)
     _chain(pieces, positions, slots, scales, theirs, rope, "amx")
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
@@ -190,7 +200,7 @@ def test_connector_keeps_the_portable_path_when_the_probe_differs(monkeypatch, t
     worker, layers = _worker_half(tmp_path)
     rope = worker.rope
     monkeypatch.setattr(FusedCpuWriter, "for_layers", classmethod(  # the other layout's writer
-        lambda cls, *_: cls(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim)))
+        lambda cls, *_: cls(LAYOUTS["vec"], rope)))
     assert worker.fused_writer(layers) is None
     assert worker.fused_writer(layers) is None  # decided once
 

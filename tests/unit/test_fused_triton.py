@@ -9,8 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcases import kv_case
-from transformers import LlamaConfig
+from kvcases import kv_case, rope_config
 
 from inferscale.contracts.kv_format import FORMATS
 from inferscale.kv.chain import ChainWriter
@@ -32,12 +31,9 @@ def interpreted():
     importlib.reload(importlib.import_module("inferscale.kv._fused_triton"))
 
 
-def _rope(heads: int, dim: int, partial: float, vllm_kernel: bool) -> ChunkedRope:
-    config = LlamaConfig(hidden_size=heads * dim * 2, num_attention_heads=heads * 2,
-                         num_key_value_heads=heads, num_hidden_layers=2, intermediate_size=64,
-                         vocab_size=100, max_position_embeddings=512, rope_theta=10000.0,
-                         head_dim=dim, partial_rotary_factor=partial)
-    rope = ChunkedRope(config, BF16)
+def _rope(heads: int, dim: int, partial: float, vllm_kernel: bool,
+          per_layer: bool = False) -> ChunkedRope:
+    rope = ChunkedRope(rope_config(2, heads, dim, partial, per_layer, max_position=512), BF16)
     if not vllm_kernel:
         rope._kernel = None  # torch's bf16 ops
     return rope
@@ -56,10 +52,12 @@ def _zeros(shape):
 @given(heads=st.integers(1, 3), dim=st.sampled_from([32, 64]), partial=st.sampled_from([1.0, 0.5]),
        lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), start=st.integers(0, 30),
        block_size=st.sampled_from([1, 16]), scaled=st.booleans(), seed=st.integers(0, 99),
-       formats=st.none() | st.lists(st.sampled_from(sorted(FORMATS)), min_size=3, max_size=3))
+       formats=st.none() | st.lists(st.sampled_from(sorted(FORMATS)), min_size=3, max_size=3),
+       per_layer=st.booleans())
 def test_the_triton_writer_writes_the_chains_bits(heads, dim, partial, lengths, start,
-                                                  block_size, scaled, seed, formats):
-    """Raw rows and every coded format, mixed in one write."""
+                                                  block_size, scaled, seed, formats, per_layer):
+    """Raw rows and every coded format, mixed in one write; one RoPE table for both layers
+    or one each."""
     gen = torch.Generator().manual_seed(seed)
     skips = [seed % 3] * len(lengths)
     pieces, positions, slots, scales, shape = _case(gen, heads, dim, lengths, skips, start,
@@ -67,9 +65,9 @@ def test_the_triton_writer_writes_the_chains_bits(heads, dim, partial, lengths, 
                                                     formats and formats[:len(lengths)])
     kernels = [False, True] if _rope(1, 32, 1.0, True)._kernel is not None else [False]
     for vllm_kernel in kernels:  # torch's bf16 ops round each op; vLLM's CPU kernel once
-        rope = _rope(heads, dim, partial, vllm_kernel)
+        rope = _rope(heads, dim, partial, vllm_kernel, per_layer)
         ours, theirs = _zeros(shape), _zeros(shape)
-        FusedTritonWriter(rope.cos_sin, rope.rotary_dim, round_once=vllm_kernel,
+        FusedTritonWriter(rope, round_once=vllm_kernel,
                           device_type="cpu").write(pieces, positions, slots, scales, ours)
         ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(theirs))
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
@@ -80,7 +78,7 @@ def test_the_probe_picks_the_rounding_of_the_chain(vllm_kernel):
     rope = _rope(2, 64, 1.0, vllm_kernel)
     if vllm_kernel and rope._kernel is None:
         pytest.skip("vLLM is not installed")
-    writers = [FusedTritonWriter(rope.cos_sin, rope.rotary_dim, round_once, device_type="cpu")
+    writers = [FusedTritonWriter(rope, round_once, device_type="cpu")
                for round_once in (False, True)]
 
     def chain(pieces, positions, slots, scales, caches):
@@ -94,7 +92,7 @@ def test_the_probe_picks_the_rounding_of_the_chain(vllm_kernel):
 
 def test_the_triton_writer_refuses_what_it_cannot_take_before_writing():
     rope = _rope(2, 32, 1.0, False)
-    writer = FusedTritonWriter(rope.cos_sin, rope.rotary_dim, device_type="cpu")
+    writer = FusedTritonWriter(rope, device_type="cpu")
     gen = torch.Generator().manual_seed(0)
     pieces, positions, slots, scales, shape = _case(gen, 2, 32, [5, 4], [0, 1], 3, 16, True)
     caches = _zeros(shape)
@@ -114,4 +112,4 @@ def test_no_triton_writer_for_host_caches():
     layers = [(i, SimpleNamespace(impl=SimpleNamespace(kv_cache_dtype="auto"),
                                   kv_cache=torch.zeros(4, 2, 16, 64, dtype=BF16)))
               for i in range(2)]
-    assert FusedTritonWriter.for_layers(layers, 2, rope.cos_sin, rope.rotary_dim) == []
+    assert FusedTritonWriter.for_layers(layers, 2, rope) == []

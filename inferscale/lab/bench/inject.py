@@ -109,7 +109,7 @@ def _writers(stores: dict[str, KVStore], rope: ChunkedRope, caches: list[torch.T
             ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(probe_caches))
 
         _, heads, block_size, width = caches[0].shape
-        fused = kvwrite.first_exact(FusedTritonWriter.roundings(rope.cos_sin, rope.rotary_dim),
+        fused = kvwrite.first_exact(FusedTritonWriter.roundings(rope),
                                     probe_chain, (len(caches), heads, width // 2), block_size)
     if fused is not None:
         def fused_write(pieces, positions, slots, scales):

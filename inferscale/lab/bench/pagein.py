@@ -56,7 +56,7 @@ def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]) -> flo
     layers, _, heads, dim = blobs[0].shape
     tokens = sum(blob.tokens for blob in blobs)
     block = 32
-    writer = FusedCpuWriter(LAYOUTS["vec"], rope.cos_sin, rope.rotary_dim)
+    writer = FusedCpuWriter(LAYOUTS["vec"], rope)
     caches = [torch.zeros(tokens // block + 1, heads, block, 2 * dim, dtype=torch.bfloat16)
               for _ in range(layers)]
     positions = torch.arange(tokens)
