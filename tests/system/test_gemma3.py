@@ -1,0 +1,72 @@
+"""The real Gemma 3 270M (a sliding-window hybrid: 15 layers of 512-token windows, 3 full
+ones, one KV head of 256 dimensions) served with memory as a user serves it: bf16, prepared
+from its PyPI packages, the memory encoded by the worker. Injected memory is bf16 KV computed
+in another pass than text prefill's, so the two are close, not equal: the first token's top
+logprobs are compared, with a no-memory control. The memory spans more than one window, so
+the question's sliding layers see only its last facts, at encode and at serving time alike."""
+
+import uuid
+
+import httpx
+import pytest
+
+from conftest import running_server
+from helpers import ingest_and_encode, max_logprob_diff, tokens_and_logprobs, turn
+from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.kv.encoder import FactEncoder
+from inferscale.kv.store import KVStore
+
+pytestmark = pytest.mark.slow
+FACTS = [f"I went to the {place} on day {day} and loved the {thing} there." for day, (place, thing)
+         in enumerate([("harbour", "boats"), ("museum", "paintings"), ("bakery", "bread"),
+                       ("library", "quiet"), ("stadium", "noise"), ("garden", "roses"),
+                       ("market", "spices"), ("beach", "waves"), ("zoo", "tigers"),
+                       ("castle", "towers"), ("forest", "birds"), ("lake", "swans"),
+                       ("theatre", "actors"), ("cafe", "coffee"), ("river", "bridges"),
+                       ("farm", "horses"), ("mountain", "views"), ("island", "sand"),
+                       ("gallery", "sculptures"), ("festival", "music")], start=1)]
+
+
+@pytest.fixture(scope="module")
+def gemma_served(base_settings, gemma3_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma3")
+    settings = base_settings.model_copy(update={
+        "model_path": gemma3_dir, "kv_dir": root / "kv", "data_dir": root, "window": 3,
+        "top_k": len(FACTS)})
+    with running_server(settings, root / "server.log", ["--enforce-eager"]) as server:
+        yield server
+
+
+def _load_failures(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("inferscale_kv_load_failures_total"))
+
+
+async def test_gemma3_answers_from_injected_memory_as_from_prefilled_memory(
+        gemma_served, settings, gemma3_dir, engine, embedder):
+    encoder = FactEncoder(gemma3_dir, device="cpu")
+    store = KVStore.from_settings(gemma_served.settings, model_fingerprint(gemma3_dir),
+                                  host_bytes=1 << 30)
+    user = f"gemma-{uuid.uuid4().hex[:6]}"
+    cfg = settings.model_copy(update={k: getattr(gemma_served.settings, k) for k in (
+        "model_path", "kv_dir", "data_dir", "window", "kv_format")})
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, f"t{i}", "Sam", text, day=i + 1) for i, text in enumerate(FACTS)],
+        encoder, store)
+    question = "Where did Sam see the swans?"
+    kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
+    failures = _load_failures(gemma_served)
+    injected = gemma_served.chat(user, question, **kwargs)
+    assert injected.headers["x-inferscale-facts-injected"] == str(len(FACTS))
+    assert _load_failures(gemma_served) == failures  # written, not recomputed
+    assert int(injected.headers["x-inferscale-injected-tokens"]) > 512  # past one window
+    text = gemma_served.chat(user, question, mode="text", **kwargs)
+    assert text.headers["x-inferscale-fact-ids"] == injected.headers["x-inferscale-fact-ids"]
+    _, logprobs_i = tokens_and_logprobs(injected)
+    _, logprobs_t = tokens_and_logprobs(text)
+    shared = set(logprobs_i[0]) & set(logprobs_t[0])
+    assert len(shared) >= 4 and max_logprob_diff(logprobs_i[:1], logprobs_t[:1]) < 0.25
+    none = tokens_and_logprobs(gemma_served.chat(user, question, mode="none", **kwargs))[1]
+    assert max_logprob_diff(none[:1], logprobs_t[:1]) > max_logprob_diff(logprobs_i[:1],
+                                                                           logprobs_t[:1])
