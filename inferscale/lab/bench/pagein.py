@@ -107,9 +107,11 @@ def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]
             left = max(left - piece.tokens, 0)
         writes.append((FusedCpuWriter(LAYOUTS["vec"], sub_rope), sub_pieces,
                        positions[skip:], [caches[i] for i in chosen.tolist()]))
-    windowed = _timed_ms(lambda: [writer.write(p, at, at, None, c)
-                                  for writer, p, at, c in writes])
-    return whole, windowed
+    def write_in_windows() -> None:
+        for writer, chosen_pieces, at, chosen_caches in writes:
+            writer.write(chosen_pieces, at, at, None, chosen_caches)
+
+    return whole, _timed_ms(write_in_windows)
 
 
 def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: str) -> float:
