@@ -1,9 +1,10 @@
-"""``inferscale publish | forget``: turns in, a user's memory out."""
+"""``inferscale publish | forget | memory``: turns in, a user's memory seen, edited and out."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 
 from inferscale.platform.settings import Settings
@@ -61,6 +62,38 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _memory(args: argparse.Namespace, settings: Settings) -> int:
+    """``inferscale memory ACTION``: the memory API of a running server, through the client."""
+    import json
+
+    from inferscale.client import MemoryAPIError, MemoryClient
+
+    server = args.server or settings.server_url
+    if not server:
+        raise ValueError("inferscale memory needs --server (or INFERSCALE_SERVER_URL)")
+    needs = {"show": "fact", "edit": "fact", "delete": "fact", "history": "fact",
+             "search": "query"}
+    if (what := needs.get(args.action)) and getattr(args, what) is None:
+        raise ValueError(f"inferscale memory {args.action} needs --{what}")
+    if args.action == "edit" and args.text is None:
+        raise ValueError("inferscale memory edit needs --text")
+    with MemoryClient(server, args.api_key) as memory:
+        calls = {
+            "list": lambda: memory.list_facts(args.user, args.limit, args.cursor),
+            "show": lambda: memory.get_fact(args.user, args.fact),
+            "search": lambda: memory.search(args.user, args.query, args.k),
+            "edit": lambda: memory.edit_fact(args.user, args.fact, args.text),
+            "delete": lambda: memory.delete_fact(args.user, args.fact),
+            "history": lambda: memory.history(args.user, args.fact),
+        }
+        try:
+            print(json.dumps(calls[args.action](), indent=2))
+        except MemoryAPIError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this group's subcommands."""
     p = sub.add_parser("publish", help="publish a JSONL or LoCoMo JSON file of turns to Kafka")
@@ -73,3 +106,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server", help="a running server's URL: it forgets and purges its caches")
     p.add_argument("--api-key", help="bearer key for --server")
     p.set_defaults(func=_forget)
+
+    p = sub.add_parser("memory", help="see, search, edit or delete a user's facts on a server")
+    p.add_argument("action", choices=["list", "show", "search", "edit", "delete", "history"])
+    p.add_argument("--user", required=True)
+    p.add_argument("--fact", type=int, help="show, edit, delete, history: the fact's id")
+    p.add_argument("--text", help="edit: the fact's new text")
+    p.add_argument("--query", help="search: what to retrieve for")
+    p.add_argument("--k", type=int, default=10, help="search: how many facts")
+    p.add_argument("--limit", type=int, default=50, help="list: facts per page")
+    p.add_argument("--cursor", help="list: the page after this cursor")
+    p.add_argument("--server", help="the server's URL (default INFERSCALE_SERVER_URL)")
+    p.add_argument("--api-key", help="a bearer key that may act for the user")
+    p.set_defaults(func=_memory)

@@ -7,7 +7,8 @@ rewritten before vLLM sees it: checked (``guards.py``), its memory options read
 sent as token ids, with a signed injection plan for the encoded facts (``kv_transfer_params``)
 and a per-memory ``cache_salt``. Requests without an owner pass through untouched (client
 ``kv_transfer_params`` refused on every route); ``POST /v1/memory/forget`` forgets a user on
-this server and every other (an invalidation).
+this server and every other (an invalidation). At start-up it adds the memory API's routes
+(``memory_api.py``) to vLLM's app and serves them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 from inferscale.contracts.plan import PLAN_KEY, sign
 from inferscale.platform.settings import get_settings
@@ -31,6 +33,7 @@ from inferscale.serving.guards import (
     read_body,
     refuse_reserved_form_fields,
 )
+from inferscale.serving.memory_api import build_router
 from inferscale.serving.metrics import FRONTEND_METRICS as M
 from inferscale.serving.metrics import KV_METRICS
 from inferscale.serving.request_options import owner_and_options
@@ -76,6 +79,7 @@ class MemoryFrontend:
         tokens = [t for t in (self.settings.vllm_api_keys or [os.environ.get("VLLM_API_KEY", "")])
                   if t]
         self._invalidations: asyncio.Task | None = None
+        self._app: Any = None  # vLLM's FastAPI app, known at start-up
         self._authenticated = self._handle
         if tokens:
             from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
@@ -91,7 +95,9 @@ class MemoryFrontend:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan" and self._invalidations is None:
-            self._invalidations = self._start_invalidation_consumer(scope["app"])
+            self._app = scope["app"]
+            self._app.include_router(build_router(self))
+            self._invalidations = self._start_invalidation_consumer(self._app)
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
             return await self.app(scope, receive, send)
         await self._authenticated(scope, receive, send)
@@ -103,7 +109,7 @@ class MemoryFrontend:
                 authorize_control(self.settings, headers)
             body = await read_body(receive, headers, self.settings.max_body_bytes)
             if scope["path"] == FORGET_PATH:
-                return await _json(send, 200, await self._forget(scope, body, headers))
+                return await _json(send, 200, await self._forget(body, headers))
             body, extra_headers = await self._rewrite(scope["path"], body, headers)
         except FrontendError as exc:
             return await _error(send, exc.status, exc.message)
@@ -152,26 +158,53 @@ class MemoryFrontend:
         return asyncio.create_task(consume_invalidations(
             bootstrap, self.settings.invalidation_topic, lambda locs: _purge(app, locs)))
 
-    async def _forget(self, scope, body: bytes, headers: dict[str, str]) -> dict:
-        """Forget a user: rows (with a tombstone), durable blobs, this server's memory tiers and
-        prefix cache now, every other server's through an invalidation."""
-        from inferscale.pipeline.forget import forget_user
-        from inferscale.pipeline.invalidation import publish_invalidation
-
+    async def _forget(self, body: bytes, headers: dict[str, str]) -> dict:
+        """``POST /v1/memory/forget`` (the memory API's ``DELETE /v1/memory/users/{user}``)."""
         data = parse_json(body)
         user = data.get("user") if isinstance(data, dict) else None
         if not isinstance(user, str) or not user or len(user) > 256:
             raise FrontendError(400, 'forget takes {"user": "<memory owner>"}')
         authorize(self.settings, headers, user)
+        return await self.forget(user)
+
+    # --- the memory API's service (``memory_api.MemoryService``) -------------------------------
+
+    async def runtime(self) -> MemoryRuntime:
+        return await self._rt()
+
+    async def drop_blobs(self, user_id: str, locations: list[str]) -> int:
+        """Remove retired facts' blobs from the durable tier, this server's memory tiers now and
+        every other server's through an invalidation (no prefix-cache reset: a plan never names
+        a retired fact's blob); returns how many this server's tiers held."""
+        from inferscale.pipeline.invalidation import publish_invalidation
+
+        if not locations:
+            return 0
         rt = await self._rt()
-        forgotten = await forget_user(rt.engine, rt.store, user)
-        purged, reset = await _purge(scope["app"], forgotten.locations)
+        await asyncio.to_thread(rt.store.delete, locations)
+        purged = sum(await self._app.state.engine_client.collective_rpc(
+            "inferscale_purge", args=(locations,)))
+        M.purged_blobs.inc(purged)
         if (bootstrap := self._bootstrap()) is not None:
-            await publish_invalidation(bootstrap, self.settings.invalidation_topic, user,
+            await publish_invalidation(bootstrap, self.settings.invalidation_topic, user_id,
+                                       locations)
+        return int(purged)
+
+    async def forget(self, user_id: str) -> dict:
+        """Forget a user: rows (with a tombstone), durable blobs, this server's memory tiers and
+        prefix cache now, every other server's through an invalidation."""
+        from inferscale.pipeline.forget import forget_user
+        from inferscale.pipeline.invalidation import publish_invalidation
+
+        rt = await self._rt()
+        forgotten = await forget_user(rt.engine, rt.store, user_id)
+        purged, reset = await _purge(self._app, forgotten.locations)
+        if (bootstrap := self._bootstrap()) is not None:
+            await publish_invalidation(bootstrap, self.settings.invalidation_topic, user_id,
                                        forgotten.locations)
         log.info("forgot a user", extra={"facts": forgotten.facts, "blobs": forgotten.blobs})
-        return {"user": user, "facts_deleted": forgotten.facts, "blobs_deleted": forgotten.blobs,
-                "purged_from_memory": purged,
+        return {"user": user_id, "facts_deleted": forgotten.facts,
+                "blobs_deleted": forgotten.blobs, "purged_from_memory": purged,
                 "prefix_cache_reset": reset}
 
     async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]

@@ -1,0 +1,174 @@
+"""The memory API's reads and edits of one owner's facts. All SQL is parameterized.
+
+An edit never changes a fact in place: it retires the fact (``deleted_at``, ``superseded_by``
+the new one) and stores a new fact with the new text and embedding and no KV, so the serving
+path never has to tell an edited fact's old KV from its new one: the old row is not live, the
+new one is served as text until a worker encodes it. Retirement bumps the owner's memory
+version (migration 0008), which every server checks per request. Edits and deletes take the
+owner's lock shared, as the extraction stage does, and a redelivered turn never brings a fact
+back: its turn is stored once and extracted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from inferscale.db.tables import facts
+from inferscale.db.turns import lock_users
+
+EDIT_EXTRACTOR = "edit"  # the extractor an edited fact is stored under
+OPERATOR_EXTRACTOR = "operator"  # ... and a fact an operator added directly
+
+
+@dataclass(frozen=True)
+class FactRecord:
+    """One fact as the memory API shows it: text, provenance and KV status."""
+
+    id: int
+    user_id: str
+    conversation_id: str
+    text: str
+    turn_ids: list[str]
+    extractor: str
+    ts: datetime
+    created_at: datetime
+    deleted_at: datetime | None
+    superseded_by: int | None
+    token_count: int | None
+    kv_encoded: bool
+    kv_bytes: int | None
+    kv_evicted: bool
+    model_fingerprint: str | None
+    encoded_at: datetime | None
+
+    def as_json(self) -> dict[str, Any]:
+        """The record as the API returns it (timestamps in ISO 8601)."""
+        return {"id": self.id, "user_id": self.user_id, "text": self.text,
+                "conversation_id": self.conversation_id, "turn_ids": self.turn_ids,
+                "extractor": self.extractor, "ts": self.ts.isoformat(),
+                "created_at": self.created_at.isoformat(),
+                "deleted_at": self.deleted_at.isoformat() if self.deleted_at else None,
+                "superseded_by": self.superseded_by,
+                "kv": {"encoded": self.kv_encoded, "tokens": self.token_count,
+                       "bytes": self.kv_bytes, "evicted": self.kv_evicted,
+                       "model_fingerprint": self.model_fingerprint,
+                       "encoded_at": self.encoded_at.isoformat() if self.encoded_at else None}}
+
+
+_COLUMNS = (facts.c.id, facts.c.user_id, facts.c.conversation_id, facts.c.text,
+            facts.c.turn_ids, facts.c.extractor, facts.c.ts, facts.c.created_at,
+            facts.c.deleted_at, facts.c.superseded_by, facts.c.token_count,
+            facts.c.kv_location.is_not(None).label("kv_encoded"), facts.c.kv_bytes,
+            facts.c.kv_evicted_at.is_not(None).label("kv_evicted"),
+            facts.c.model_fingerprint, facts.c.encoded_at)
+
+
+def _record(row: Any) -> FactRecord:
+    return FactRecord(**{**row._mapping, "turn_ids": list(row.turn_ids)})
+
+
+async def list_facts(conn: AsyncConnection, user_id: str, after_id: int, limit: int
+                     ) -> list[FactRecord]:
+    """The owner's live facts with ids above ``after_id``, in id order, at most ``limit``."""
+    rows = await conn.execute(select(*_COLUMNS).where(
+        facts.c.user_id == user_id, facts.c.deleted_at.is_(None), facts.c.id > after_id)
+        .order_by(facts.c.id).limit(limit))
+    return [_record(row) for row in rows]
+
+
+async def get_fact(conn: AsyncConnection, user_id: str, fact_id: int,
+                   live_only: bool = True) -> FactRecord | None:
+    """One of the owner's facts (None: no such fact of this owner, or retired where
+    ``live_only``)."""
+    stmt = select(*_COLUMNS).where(facts.c.user_id == user_id, facts.c.id == fact_id)
+    if live_only:
+        stmt = stmt.where(facts.c.deleted_at.is_(None))
+    row = (await conn.execute(stmt)).first()
+    return _record(row) if row else None
+
+
+_HISTORY = text("""
+    WITH RECURSIVE earlier(id) AS (
+        SELECT CAST(:id AS bigint)
+        UNION SELECT f.id FROM facts f JOIN earlier e ON f.superseded_by = e.id
+        WHERE f.user_id = :user
+    ), later(id) AS (
+        SELECT CAST(:id AS bigint)
+        UNION SELECT f.superseded_by FROM facts f JOIN later l ON f.id = l.id
+        WHERE f.user_id = :user AND f.superseded_by IS NOT NULL
+    )
+    SELECT id FROM earlier UNION SELECT id FROM later
+""")
+
+
+async def fact_history(conn: AsyncConnection, user_id: str, fact_id: int
+                       ) -> list[FactRecord] | None:
+    """Every version of a fact, oldest first: the facts it replaced (recursively) and the ones
+    that replaced it; None where the owner has no such fact."""
+    if await get_fact(conn, user_id, fact_id, live_only=False) is None:
+        return None
+    ids = [row.id for row in await conn.execute(_HISTORY, {"id": fact_id, "user": user_id})]
+    rows = await conn.execute(select(*_COLUMNS).where(facts.c.user_id == user_id,
+                                                      facts.c.id.in_(ids)).order_by(facts.c.id))
+    return [_record(row) for row in rows]
+
+
+async def delete_fact(conn: AsyncConnection, user_id: str, fact_id: int
+                      ) -> tuple[bool, str | None]:
+    """Retire one live fact of the owner: (whether it was live, its KV location: the blob to
+    remove from every tier)."""
+    await lock_users(conn, [user_id], exclusive=False)
+    row = (await conn.execute(
+        facts.update().where(facts.c.id == fact_id, facts.c.user_id == user_id,
+                             facts.c.deleted_at.is_(None))
+        .values(deleted_at=func.clock_timestamp())
+        .returning(facts.c.kv_location))).first()
+    return (row is not None, row.kv_location if row else None)
+
+
+async def edit_fact(conn: AsyncConnection, user_id: str, fact_id: int, new_text: str,
+                    embedding: list[float]) -> tuple[FactRecord, str | None] | None:
+    """Replace one live fact of the owner by a new fact with ``new_text`` (same owner,
+    conversation, source turns and time; no KV yet) and retire the old one, superseded by it:
+    (the new fact, the old fact's KV location to remove everywhere); None where the owner has
+    no such live fact."""
+    await lock_users(conn, [user_id], exclusive=False)
+    old = (await conn.execute(select(facts).where(
+        facts.c.id == fact_id, facts.c.user_id == user_id, facts.c.deleted_at.is_(None))
+        .with_for_update())).first()
+    if old is None:
+        return None
+    ordinal = (await conn.execute(select(func.coalesce(func.max(facts.c.ordinal), -1) + 1).where(
+        facts.c.user_id == user_id, facts.c.conversation_id == old.conversation_id,
+        facts.c.extractor == EDIT_EXTRACTOR, facts.c.turn_ids == old.turn_ids))).scalar_one()
+    new_id = (await conn.execute(insert(facts).values(
+        user_id=user_id, conversation_id=old.conversation_id, turn_ids=old.turn_ids,
+        ordinal=ordinal, extractor=EDIT_EXTRACTOR, text=new_text, ts=old.ts,
+        embedding=embedding).returning(facts.c.id))).scalar_one()
+    await conn.execute(facts.update().where(facts.c.id == fact_id).values(
+        deleted_at=func.clock_timestamp(), superseded_by=new_id))
+    record = await get_fact(conn, user_id, new_id)
+    assert record is not None  # inserted in this transaction
+    return record, old.kv_location
+
+
+async def add_fact(conn: AsyncConnection, user_id: str, conversation_id: str, fact_text: str,
+                   ts: datetime, embedding: list[float]) -> FactRecord:
+    """Store a fact given directly (an operator's; no source turn, no KV yet)."""
+    await lock_users(conn, [user_id], exclusive=False)
+    ordinal = (await conn.execute(select(func.coalesce(func.max(facts.c.ordinal), -1) + 1).where(
+        facts.c.user_id == user_id, facts.c.conversation_id == conversation_id,
+        facts.c.extractor == OPERATOR_EXTRACTOR, facts.c.turn_ids == []))).scalar_one()
+    new_id = (await conn.execute(insert(facts).values(
+        user_id=user_id, conversation_id=conversation_id, turn_ids=[], ordinal=ordinal,
+        extractor=OPERATOR_EXTRACTOR, text=fact_text, ts=ts, embedding=embedding)
+        .returning(facts.c.id))).scalar_one()
+    record = await get_fact(conn, user_id, new_id)
+    assert record is not None  # inserted in this transaction
+    return record

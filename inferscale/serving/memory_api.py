@@ -1,0 +1,241 @@
+"""The memory API: an owner's facts listed, read, searched, edited, deleted and their history;
+turns added (to the turn topic: the worker path stays the one way in); an owner forgotten.
+
+Routes live in vLLM's own FastAPI app (``MemoryFrontend`` adds the router at start-up), so
+they are in the server's ``/openapi.json``. Every route is keyed like memory requests: a key
+that may act for the owner (admin keys for any owner). An edit or delete returns once the
+database holds it: from then on no server serves the old text (retrieval reads only live facts
+and every server checks the owner's memory version per request) nor the old KV (a plan names
+only live facts); the old blob leaves the durable tier and this server's memory tiers before
+the response, every other server's through an invalidation record (a blob an encode records
+after the edit is removed by that worker: ``db/encode_queue.record_encoded``).
+"""
+
+import asyncio
+import base64
+import binascii
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Protocol
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from inferscale.contracts.events import TurnEvent
+from inferscale.platform.settings import Settings
+from inferscale.serving.compose import MemoryRuntime
+from inferscale.serving.guards import FrontendError, authorize
+
+MAX_PAGE = 500
+MAX_FACT_CHARS = 4000
+MAX_SEARCH_K = 100
+MAX_TURNS = 1000
+FactId = Annotated[int, Path(ge=1, le=2**63 - 1)]  # a bigint
+
+
+class MemoryService(Protocol):
+    """What the routes need of the server they run in."""
+
+    settings: Settings
+
+    async def runtime(self) -> MemoryRuntime: ...
+
+    async def drop_blobs(self, user_id: str, locations: list[str]) -> int:
+        """Remove retired facts' blobs from the durable tier and every server's memory tiers;
+        returns how many this server's tiers held."""
+        ...
+
+    async def forget(self, user_id: str) -> dict[str, Any]: ...
+
+
+class FactText(BaseModel):
+    """A fact's new text."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
+
+
+class NewFactBody(FactText):
+    """A fact an operator adds directly (no source turn)."""
+
+    conversation_id: str = Field(default="operator", min_length=1, max_length=256)
+
+
+class SearchBody(BaseModel):
+    """A query, retrieved as a chat request of the owner would be."""
+
+    model_config = ConfigDict(extra="forbid")
+    query: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
+    k: int = Field(default=10, ge=1, le=MAX_SEARCH_K)
+
+
+class TurnsBody(BaseModel):
+    """Turns of the owner to publish (``user_id`` is the path's; a different one is refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+    turns: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_TURNS)
+
+
+def _cursor(after_id: int) -> str:
+    return base64.urlsafe_b64encode(f"after:{after_id}".encode()).decode()
+
+
+def _after(cursor: str | None) -> int:
+    """The fact id a cursor continues after (400 for one this server did not make)."""
+    if cursor is None:
+        return 0
+    try:
+        kind, _, value = base64.urlsafe_b64decode(cursor.encode()).decode().partition(":")
+        after = int(value)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise HTTPException(400, "malformed cursor") from None
+    if kind != "after" or not 0 <= after < 2**63:
+        raise HTTPException(400, "malformed cursor")
+    return after
+
+
+def build_router(service: MemoryService) -> APIRouter:
+    """The memory API's routes, served by ``service``'s server."""
+    router = APIRouter(prefix="/v1/memory", tags=["memory"])
+
+    async def owner(user_id: str, request: Request) -> str:
+        if not 0 < len(user_id) <= 256:
+            raise HTTPException(400, "user ids are 1-256 characters")
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        try:
+            authorize(service.settings, headers, user_id)
+        except FrontendError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+        return user_id
+
+    Owner = Annotated[str, Depends(owner)]
+
+    async def in_transaction(work: Callable[[Any], Awaitable[Any]]) -> Any:
+        rt = await service.runtime()
+        async with rt.engine.begin() as conn:
+            return await work(conn)
+
+    async def embed(text: str) -> list[float]:
+        rt = await service.runtime()
+        vector = (await asyncio.get_running_loop().run_in_executor(
+            None, rt.embedder.encode, [text]))[0]
+        return [float(x) for x in vector]
+
+    @router.get("/users/{user_id}/facts", summary="List an owner's live facts")
+    async def list_facts(user_id: Owner, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+                         cursor: Annotated[str | None, Query(max_length=200)] = None
+                         ) -> dict[str, Any]:
+        """Live facts in id order with provenance and KV status; ``next_cursor`` continues."""
+        from inferscale.db.memory_edits import list_facts as read
+
+        records = await in_transaction(lambda conn: read(conn, user_id, _after(cursor), limit))
+        return {"facts": [r.as_json() for r in records],
+                "next_cursor": _cursor(records[-1].id) if len(records) == limit else None}
+
+    @router.get("/users/{user_id}/facts/{fact_id}", summary="One live fact")
+    async def get_fact(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
+        from inferscale.db.memory_edits import get_fact as read
+
+        record = await in_transaction(lambda conn: read(conn, user_id, fact_id))
+        if record is None:
+            raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
+        return dict(record.as_json())
+
+    @router.get("/users/{user_id}/facts/{fact_id}/history", summary="Every version of a fact")
+    async def history(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
+        """The fact's versions, oldest first, each with the turns it came from."""
+        from inferscale.db.memory_edits import fact_history
+
+        versions = await in_transaction(lambda conn: fact_history(conn, user_id, fact_id))
+        if versions is None:
+            raise HTTPException(404, f"{user_id!r} has no fact {fact_id}")
+        return {"versions": [r.as_json() for r in versions]}
+
+    @router.post("/users/{user_id}/facts", status_code=201, summary="Add a fact (operators)")
+    async def add_fact(user_id: Owner, body: NewFactBody, request: Request) -> dict[str, Any]:
+        """A fact given directly, with no source turn: admin keys only. Served as text at once,
+        injected once a worker encodes it."""
+        from datetime import UTC, datetime
+
+        from inferscale.db.memory_edits import add_fact as store
+
+        await owner("*", request)  # admin keys only
+        embedding = await embed(body.text)
+        record = await in_transaction(lambda conn: store(
+            conn, user_id, body.conversation_id, body.text, datetime.now(UTC), embedding))
+        return dict(record.as_json())
+
+    @router.patch("/users/{user_id}/facts/{fact_id}", summary="Edit a fact's text")
+    async def edit(user_id: Owner, fact_id: FactId, body: FactText) -> dict[str, Any]:
+        """A new version of the fact replaces it (served as text until it is encoded); the old
+        version is never served again by any server once this returns."""
+        from inferscale.db.memory_edits import edit_fact
+
+        embedding = await embed(body.text)
+        edited = await in_transaction(
+            lambda conn: edit_fact(conn, user_id, fact_id, body.text, embedding))
+        if edited is None:
+            raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
+        record, location = edited
+        await service.drop_blobs(user_id, [location] if location else [])
+        return {**record.as_json(), "replaces": fact_id}
+
+    @router.delete("/users/{user_id}/facts/{fact_id}", summary="Delete one fact")
+    async def delete(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
+        from inferscale.db.memory_edits import delete_fact
+
+        deleted, location = await in_transaction(
+            lambda conn: delete_fact(conn, user_id, fact_id))
+        if not deleted:
+            raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
+        await service.drop_blobs(user_id, [location] if location else [])
+        return {"id": fact_id, "deleted": True}
+
+    @router.post("/users/{user_id}/search", summary="Search as the server retrieves")
+    async def search(user_id: Owner, body: SearchBody) -> dict[str, Any]:
+        """The owner's k live facts nearest to the query, with their cosine similarity."""
+        from inferscale.serving.retrieval import retrieve
+
+        rt = await service.runtime()
+        hits = await retrieve(rt.index, rt.embedder, user_id, body.query, body.k)
+        return {"hits": [{"id": h.id, "text": h.text, "score": 1.0 - h.distance,
+                          "kv_encoded": h.kv_location is not None} for h in hits]}
+
+    @router.post("/users/{user_id}/turns", status_code=202, summary="Add conversation turns")
+    async def add_turns(user_id: Owner, body: TurnsBody) -> dict[str, Any]:
+        """Published to the turn topic (keyed by the owner, so in order); each turn is
+        accepted or refused with the reason. Facts follow once a worker extracts them."""
+        from inferscale.devstack.infra import InfraError, resolve_kafka_bootstrap
+        from inferscale.pipeline.kafka import ensure_topics, publish_turns
+
+        accepted: list[TurnEvent] = []
+        refused = []
+        for i, raw in enumerate(body.turns):
+            if raw.get("user_id", user_id) != user_id:
+                refused.append({"index": i, "reason": "user_id differs from the path's"})
+                continue
+            try:
+                turn = TurnEvent.model_validate({**raw, "user_id": user_id})
+            except ValidationError as exc:
+                refused.append({"index": i, "reason": exc.errors()[0]["msg"]})
+                continue
+            if len(turn.text.encode()) > service.settings.max_text_bytes:
+                refused.append({"index": i, "reason": "text longer than max_text_bytes"})
+                continue
+            accepted.append(turn)
+        if accepted:
+            try:
+                bootstrap = resolve_kafka_bootstrap(service.settings)
+            except InfraError as exc:
+                raise HTTPException(503, f"no turn topic to publish to: {exc}") from None
+            await ensure_topics(bootstrap, [service.settings.turns_topic])
+            await publish_turns(bootstrap, service.settings.turns_topic, accepted,
+                                progress=False)
+        return {"accepted": [t.turn_id for t in accepted], "refused": refused}
+
+    @router.delete("/users/{user_id}", summary="Forget an owner")
+    async def forget(user_id: Owner) -> dict[str, Any]:
+        """Turns, facts, vectors and KV of the owner, from every tier and server, with a
+        tombstone (``POST /v1/memory/forget`` does the same)."""
+        return await service.forget(user_id)
+
+    return router

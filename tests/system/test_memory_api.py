@@ -1,0 +1,139 @@
+"""The memory API on the real server (vLLM CPU engine + connector + front end), through the
+Python client: an owner's facts listed page by page with provenance and KV status, read,
+searched as the server retrieves, edited (the next answer serves the new version as text, then
+as KV once encoded, never the old one), deleted and traced through their history; hostile
+requests get a 4xx and change nothing."""
+
+import uuid
+
+import httpx
+import pytest
+
+from helpers import ingest_and_encode, turn
+from inferscale.client import AsyncMemoryClient, MemoryAPIError, MemoryClient
+from workers.encode import EncodeWorker
+
+pytestmark = pytest.mark.slow
+FACTS = ["My horse is called Biscuit and she is twelve years old.",
+         "I teach chemistry at a school in Porto.",
+         "My sister Clara lives in Montreal with two cats."]
+
+
+@pytest.fixture
+def cfg(served, settings):
+    return settings.model_copy(update={k: getattr(served.settings, k) for k in (
+        "model_path", "kv_dir", "data_dir", "window", "top_k")})
+
+
+async def _user_with_facts(cfg, engine, embedder, smol) -> str:
+    encoder, store = smol
+    user = f"api-{uuid.uuid4().hex[:6]}"
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, f"t{i}", "Ines", text, day=i + 1) for i, text in enumerate(FACTS)],
+        encoder, store)
+    return user
+
+
+def _served_ids(response) -> list[int]:
+    assert response.status_code == 200, response.text
+    return [int(i) for i in response.headers["x-inferscale-fact-ids"].split(",") if i]
+
+
+async def test_list_read_search_edit_delete_and_history(served, smol, cfg, engine, embedder):
+    encoder, store = smol
+    user = await _user_with_facts(cfg, engine, embedder, smol)
+    memory = MemoryClient(served.url)
+    first = memory.list_facts(user, limit=2)
+    rest = memory.list_facts(user, limit=2, cursor=first["next_cursor"])
+    assert rest["next_cursor"] is None
+    listed = first["facts"] + rest["facts"]
+    assert [f["id"] for f in listed] == sorted(f["id"] for f in listed)
+    assert all(any(text in f["text"] for text in FACTS) for f in listed)
+    assert len(listed) == 3 and all(f["kv"]["encoded"] and f["kv"]["tokens"] > 0
+                                    and f["turn_ids"] for f in listed)
+    assert list(memory.iter_facts(user, page=1)) == listed
+    horse = next(f for f in listed if "horse" in f["text"])
+    assert memory.get_fact(user, horse["id"]) == horse
+    hits = memory.search(user, "What is the name of Ines's horse?", k=3)
+    assert hits[0]["id"] == horse["id"] and hits[0]["score"] >= hits[-1]["score"]
+
+    question = "What is the name of Ines's horse?"
+    assert horse["id"] in _served_ids(served.chat(user, question, k=1))
+    edited = memory.edit_fact(user, horse["id"], "My horse is called Pickles; she is twelve.")
+    assert edited["replaces"] == horse["id"] and not edited["kv"]["encoded"]
+    after = served.chat(user, question, k=1)  # at once: the new version, as text
+    assert _served_ids(after) == [edited["id"]]
+    assert after.headers["x-inferscale-facts-injected"] == "0"
+    assert not (store.durable.root / store.location_for(str(horse["id"]))).exists()
+    with pytest.raises(MemoryAPIError) as gone:
+        memory.get_fact(user, horse["id"])
+    assert gone.value.status == 404
+    versions = memory.history(user, edited["id"])
+    assert [v["id"] for v in versions] == [horse["id"], edited["id"]]
+    assert versions[0]["superseded_by"] == edited["id"] and versions[0]["deleted_at"]
+    await EncodeWorker(cfg, engine, encoder, store).run(drain=True)  # the new version's KV
+    encoded = served.chat(user, question, k=1)
+    assert _served_ids(encoded) == [edited["id"]]
+    assert encoded.headers["x-inferscale-facts-injected"] == "1"
+
+    assert memory.delete_fact(user, edited["id"]) == {"id": edited["id"], "deleted": True}
+    assert edited["id"] not in _served_ids(served.chat(user, question, k=3))
+    assert [f["id"] for f in memory.list_facts(user)["facts"]] == [
+        f["id"] for f in listed if f["id"] != horse["id"]]
+    assert [v["id"] for v in memory.history(user, horse["id"])] == [horse["id"], edited["id"]]
+
+
+async def test_the_async_client_and_the_operator_routes(served, smol, cfg, engine, embedder):
+    user = f"api-{uuid.uuid4().hex[:6]}"
+    async with AsyncMemoryClient(served.url) as memory:
+        added = await memory.add_fact(user, "Ines's favourite colour is teal.")
+        assert added["extractor"] == "operator" and not added["kv"]["encoded"]
+        assert _served_ids(served.chat(user, "What is Ines's favourite colour?", k=1)) == [
+            added["id"]]  # read-your-writes: served as text at once
+        listed = [f async for f in memory.iter_facts(user)]
+        assert [f["id"] for f in listed] == [added["id"]]
+        result = await memory.add_turns(user, [
+            {"conversation_id": "c1", "turn_id": "t1", "speaker": "Ines",
+             "text": "I bought a red bicycle.", "timestamp": "2025-05-01T12:00:00Z"},
+            {"conversation_id": "c1", "turn_id": "t2", "speaker": "Ines"},  # no text
+            {"user_id": "someone-else", "conversation_id": "c1", "turn_id": "t3",
+             "speaker": "Ines", "text": "x", "timestamp": "2025-05-01T12:00:00Z"}])
+        assert result["accepted"] == ["t1"]
+        assert [r["index"] for r in result["refused"]] == [1, 2]
+        forgotten = await memory.forget(user)
+        assert forgotten["facts_deleted"] == 1
+        assert (await memory.list_facts(user))["facts"] == []
+
+
+async def test_hostile_memory_api_requests_get_4xx_and_change_nothing(served, smol, cfg,
+                                                                      engine, embedder):
+    user = await _user_with_facts(cfg, engine, embedder, smol)
+    other = await _user_with_facts(cfg, engine, embedder, smol)
+    memory = MemoryClient(served.url)
+    before = memory.list_facts(user)["facts"]
+    theirs = memory.list_facts(other)["facts"][0]["id"]
+    base = f"{served.url}/v1/memory/users/{user}"
+    refused = [
+        httpx.get(f"{base}/facts/{theirs}"),  # another owner's fact
+        httpx.patch(f"{base}/facts/{theirs}", json={"text": "mine now"}),
+        httpx.delete(f"{base}/facts/{theirs}"),
+        httpx.get(f"{base}/facts/{theirs}/history"),
+        httpx.get(f"{base}/facts", params={"limit": 10**9}),  # huge page
+        httpx.get(f"{base}/facts", params={"limit": 0}),
+        httpx.get(f"{base}/facts", params={"cursor": "not a cursor"}),
+        httpx.get(f"{base}/facts", params={"cursor": "YWZ0ZXI6LTE="}),  # after:-1
+        httpx.get(f"{base}/facts/abc"),
+        httpx.get(f"{base}/facts/{2**70}"),
+        httpx.patch(f"{base}/facts/{before[0]['id']}", json={"text": ""}),
+        httpx.patch(f"{base}/facts/{before[0]['id']}", json={"text": "x" * 5000}),
+        httpx.patch(f"{base}/facts/{before[0]['id']}", json={"text": "ok", "user": "x"}),
+        httpx.patch(f"{base}/facts/{before[0]['id']}", content=b"{not json"),
+        httpx.post(f"{base}/search", json={"query": "horse", "k": 10**6}),
+        httpx.post(f"{base}/search", json={"query": ""}),
+        httpx.post(f"{base}/turns", json={"turns": []}),
+        httpx.get(f"{served.url}/v1/memory/users/{'u' * 300}/facts"),
+    ]
+    for response in refused:
+        assert 400 <= response.status_code < 500, (response.request.url, response.text)
+    assert memory.list_facts(user)["facts"] == before
+    assert memory.get_fact(other, theirs)["id"] == theirs

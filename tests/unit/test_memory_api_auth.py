@@ -1,0 +1,79 @@
+"""The memory API's routes in-process (FastAPI's test client, a stand-in server with no
+database): keys that may not act for the owner are refused before any work, operator routes
+need an admin key, cursors this server did not make are refused."""
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from inferscale.platform.settings import Settings
+from inferscale.serving.memory_api import _after, _cursor, build_router
+
+
+class _NoDatabase:
+    """A server whose memory runtime must never be reached: refusals come first."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.reached = 0
+
+    async def runtime(self):
+        self.reached += 1
+        raise RuntimeError("no database here")
+
+    async def drop_blobs(self, user_id, locations):
+        self.reached += 1
+        return 0
+
+    async def forget(self, user_id):
+        self.reached += 1
+        return {}
+
+
+@pytest.fixture
+def client_and_service():
+    service = _NoDatabase(Settings(api_keys={"alice-key": ["alice"], "admin": ["*"]}))
+    app = FastAPI()
+    app.include_router(build_router(service))
+    return TestClient(app, raise_server_exceptions=False), service
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("GET", "/v1/memory/users/alice/facts", None),
+    ("GET", "/v1/memory/users/alice/facts/1", None),
+    ("GET", "/v1/memory/users/alice/facts/1/history", None),
+    ("PATCH", "/v1/memory/users/alice/facts/1", {"text": "x"}),
+    ("DELETE", "/v1/memory/users/alice/facts/1", None),
+    ("POST", "/v1/memory/users/alice/search", {"query": "x"}),
+    ("POST", "/v1/memory/users/alice/facts", {"text": "x"}),
+    ("POST", "/v1/memory/users/alice/turns", {"turns": [{}]}),
+    ("DELETE", "/v1/memory/users/alice", None),
+])
+def test_keys_that_may_not_act_for_the_owner_are_refused(client_and_service, method, path,
+                                                         body):
+    client, service = client_and_service
+    for headers, owner, status in (({}, "alice", 401),
+                                   ({"authorization": "Bearer nope"}, "alice", 401),
+                                   ({"authorization": "Bearer alice-key"}, "bob", 403)):
+        response = client.request(method, path.replace("/alice", f"/{owner}"), json=body,
+                                  headers=headers)
+        assert response.status_code == status, (method, path, headers, response.text)
+    assert service.reached == 0
+
+
+def test_adding_a_fact_directly_needs_an_admin_key(client_and_service):
+    client, service = client_and_service
+    response = client.post("/v1/memory/users/alice/facts", json={"text": "x"},
+                           headers={"authorization": "Bearer alice-key"})
+    assert response.status_code == 403 and service.reached == 0
+
+
+def test_cursors_round_trip_and_foreign_ones_are_refused():
+    from fastapi import HTTPException
+
+    assert _after(None) == 0
+    assert _after(_cursor(12345)) == 12345
+    for bad in ("", "%%%", "YWZ0ZXI6LTE=", "b3RoZXI6MQ==", "YWZ0ZXI6eA==", "x" * 199):
+        with pytest.raises(HTTPException) as refused:
+            _after(bad)
+        assert refused.value.status_code == 400
