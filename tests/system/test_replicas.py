@@ -59,3 +59,46 @@ async def test_either_replica_injects_what_a_worker_wrote_to_the_bucket(
     assert any(location.endswith(".safetensors") for location in blobs)
     for root in (one.settings.data_dir, two.settings.data_dir, tmp_path):
         assert not list(root.rglob("*.safetensors"))
+
+
+async def test_an_edit_on_one_replica_is_what_the_other_serves(replicas, tiny_models, engine,
+                                                                embedder, tmp_path):
+    """Both replicas hold the fact's KV in memory; the fact is edited through one replica's
+    memory API: at once the other serves the new version (as text) and never the old one,
+    whose blob leaves the bucket and, through the invalidation topic, the other's memory."""
+    import asyncio
+
+    import httpx
+
+    from inferscale.client import MemoryClient
+
+    one, two = replicas
+    worker = one.settings.model_copy(update={"data_dir": tmp_path})
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    store = KVStore.from_settings(worker, model_fingerprint(tiny_models["llama"]),
+                                  host_bytes=0)
+    user = f"replica-edit-{uuid.uuid4().hex[:6]}"
+    await ingest_and_encode(worker, engine, embedder, [
+        turn(user, "t1", "Sam", "I repair violins in a small shop in Cremona.")],
+        encoder, store)
+    question = "What does Sam do for a living?"
+    for replica in (one, two):  # each now holds the blob in its host tier
+        assert replica.chat(user, question, k=1).headers["x-inferscale-facts-injected"] == "1"
+    old = MemoryClient(one.url).list_facts(user)["facts"][0]
+
+    def purged(server) -> float:
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("inferscale_purged_blobs_total"))
+
+    purged_before = purged(two)
+    new = MemoryClient(one.url).edit_fact(user, old["id"], "I build cellos in Cremona now.")
+    answer = two.chat(user, question, k=1)
+    assert answer.headers["x-inferscale-fact-ids"] == str(new["id"])
+    assert answer.headers["x-inferscale-facts-injected"] == "0"  # new: text until encoded
+    assert not store.durable.exists(store.location_for(str(old["id"])))
+    for _ in range(120):  # the invalidation reaches the other replica's workers
+        if purged(two) > purged_before:
+            break
+        await asyncio.sleep(0.5)
+    assert purged(two) > purged_before
