@@ -84,3 +84,12 @@ def max_logprob_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> fl
     infinite where no position shares a token (as far apart as they can be)."""
     return max((abs(x[t] - y[t]) for x, y in zip(a, b, strict=True) for t in x if t in y),
                default=math.inf)
+
+
+def metric(server, name: str) -> float:
+    """A running server's Prometheus metric, summed over its label sets."""
+    import httpx
+
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))

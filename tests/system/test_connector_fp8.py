@@ -8,12 +8,11 @@ about the cache's format, not the blob's)."""
 
 import uuid
 
-import httpx
 import pytest
 import torch
 
 from conftest import running_server
-from helpers import ingest_and_encode, max_logprob_diff, tokens_and_logprobs, turn
+from helpers import ingest_and_encode, max_logprob_diff, metric, tokens_and_logprobs, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
@@ -34,12 +33,6 @@ def fp8_served(base_settings, tiny_models, tmp_path_factory):
         yield server
 
 
-def _load_failures(server) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("inferscale_kv_load_failures_total"))
-
-
 async def test_injection_writes_an_fp8_cache_through_the_backend(
         fp8_served, settings, tiny_models, engine, embedder):
     encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
@@ -52,10 +45,11 @@ async def test_injection_writes_an_fp8_cache_through_the_backend(
         turn(user, "t1", "Sam", "I am a marine biologist at the city aquarium.")], encoder, store)
     question = "What does Sam do for a living?"
     kwargs = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8}
-    failures = _load_failures(fp8_served)
+    failures = metric(fp8_served, "inferscale_kv_load_failures_total")
     injected = fp8_served.chat(user, question, k=1, **kwargs)
     assert injected.headers["x-inferscale-facts-injected"] == "1"
-    assert _load_failures(fp8_served) == failures  # written, not recomputed
+    # written, not recomputed
+    assert metric(fp8_served, "inferscale_kv_load_failures_total") == failures
     text = fp8_served.chat(user, question, k=1, mode="text", **kwargs)
     tokens_i, logprobs_i = tokens_and_logprobs(injected)
     _, logprobs_t = tokens_and_logprobs(text)

@@ -7,12 +7,11 @@ the question's sliding layers see only its last facts, at encode and at serving 
 
 import uuid
 
-import httpx
 import pytest
 import torch
 
 from conftest import running_server
-from helpers import ingest_and_encode, tokens_and_logprobs, turn
+from helpers import ingest_and_encode, metric, tokens_and_logprobs, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
@@ -38,12 +37,6 @@ def gemma_served(base_settings, gemma3_dir, tmp_path_factory):
         yield server
 
 
-def _load_failures(server) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("inferscale_kv_load_failures_total"))
-
-
 async def test_gemma3_answers_from_injected_memory_as_from_prefilled_memory(
         gemma_served, settings, gemma3_dir, engine, embedder):
     encoder = FactEncoder(gemma3_dir, device="cpu")
@@ -57,10 +50,11 @@ async def test_gemma3_answers_from_injected_memory_as_from_prefilled_memory(
         encoder, store)
     question = "Where did Sam see the swans?"
     kwargs = {"logprobs": True, "top_logprobs": 20, "max_tokens": 8}
-    failures = _load_failures(gemma_served)
+    failures = metric(gemma_served, "inferscale_kv_load_failures_total")
     injected = gemma_served.chat(user, question, **kwargs)
     assert injected.headers["x-inferscale-facts-injected"] == str(len(FACTS))
-    assert _load_failures(gemma_served) == failures  # written, not recomputed
+    # written, not recomputed
+    assert metric(gemma_served, "inferscale_kv_load_failures_total") == failures
     assert int(injected.headers["x-inferscale-injected-tokens"]) > 512  # past one window
     text = gemma_served.chat(user, question, mode="text", **kwargs)
     assert text.headers["x-inferscale-fact-ids"] == injected.headers["x-inferscale-fact-ids"]

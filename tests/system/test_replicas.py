@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import BUCKET, running_server
-from helpers import ingest_and_encode, turn
+from helpers import ingest_and_encode, metric, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.kv.durable import S3Objects
 from inferscale.kv.encoder import FactEncoder
@@ -68,8 +68,6 @@ async def test_an_edit_on_one_replica_is_what_the_other_serves(replicas, tiny_mo
     whose blob leaves the bucket and, through the invalidation topic, the other's memory."""
     import asyncio
 
-    import httpx
-
     from inferscale.client import MemoryClient
 
     one, two = replicas
@@ -86,19 +84,14 @@ async def test_an_edit_on_one_replica_is_what_the_other_serves(replicas, tiny_mo
         assert replica.chat(user, question, k=1).headers["x-inferscale-facts-injected"] == "1"
     old = MemoryClient(one.url).list_facts(user)["facts"][0]
 
-    def purged(server) -> float:
-        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                   if line.startswith("inferscale_purged_blobs_total"))
-
-    purged_before = purged(two)
+    purged_before = metric(two, "inferscale_purged_blobs_total")
     new = MemoryClient(one.url).edit_fact(user, old["id"], "I build cellos in Cremona now.")
     answer = two.chat(user, question, k=1)
     assert answer.headers["x-inferscale-fact-ids"] == str(new["id"])
     assert answer.headers["x-inferscale-facts-injected"] == "0"  # new: text until encoded
     assert not store.durable.exists(store.location_for(str(old["id"])))
     for _ in range(120):  # the invalidation reaches the other replica's workers
-        if purged(two) > purged_before:
+        if metric(two, "inferscale_purged_blobs_total") > purged_before:
             break
         await asyncio.sleep(0.5)
-    assert purged(two) > purged_before
+    assert metric(two, "inferscale_purged_blobs_total") > purged_before

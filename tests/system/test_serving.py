@@ -8,7 +8,7 @@ import httpx
 import pytest
 from sqlalchemy import select, update
 
-from helpers import ingest_and_encode, sample_turns, turn
+from helpers import ingest_and_encode, metric, sample_turns, turn
 from inferscale.contracts.plan import LEAD
 from inferscale.db.tables import facts
 from inferscale.db.turns import count_user_rows
@@ -30,13 +30,6 @@ def cfg(served, settings):
         "model_path", "kv_dir", "data_dir", "window", "top_k")})
 
 
-def _metric(server, name: str) -> float:
-    """Sum of a Prometheus metric's samples over all label sets."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
-
 async def _memory_tokens(engine, user: str, encoder) -> int:
     async with engine.connect() as conn:
         counts = (await conn.execute(select(facts.c.token_count).where(
@@ -53,13 +46,13 @@ async def test_stored_fact_answers_with_injected_kv(served, smol, cfg, engine, e
     writes = ("fused_write",) if kvwrite.available() else ("rope", "cache_write")
     stages = [f'inferscale_stage_seconds_count{{stage="{stage}"}}' for stage in (
         "compose", "sign", "plan_check", "gather", *writes)]
-    before = [_metric(served, stage) for stage in stages]
+    before = [metric(served, stage) for stage in stages]
     response = served.chat(user, "What is the name of Sam's octopus at the aquarium?", k=5)
     assert response.status_code == 200, response.text
     answer = response.json()["choices"][0]["message"]["content"]
     assert "Pickles" in answer
     # Every stage of the request was timed (the bench's per-stage breakdown reads these).
-    assert all(_metric(served, stage) > was for stage, was in zip(stages, before, strict=True))
+    assert all(metric(served, stage) > was for stage, was in zip(stages, before, strict=True))
     h = response.headers
     assert h["x-inferscale-mode"] == "inject" and h["x-inferscale-facts-injected"] == "5"
     injected, prefilled = int(h["x-inferscale-injected-tokens"]), int(
@@ -216,14 +209,14 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
     blob = store.load("preamble")
     moved = other.put(str(rows[1].id), blob.k, blob.v, blob.token_ids, window=0)
     store.durable.write(rows[1].kv_location, other.durable.read(moved.location))
-    failures_before = _metric(served, "inferscale_kv_load_failures_total")
+    failures_before = metric(served, "inferscale_kv_load_failures_total")
     response = served.chat(user, question)
     assert response.status_code == 200
     assert response.headers["x-inferscale-facts-injected"] == "2"  # planned, then refused
     # Contract: the refused KV is recomputed, never served, and the answer draws on the fact
     # (its wording is not a contract: another numeric path or CPU answered "Dana's dog is a
     # beagle." instead of naming Waffles; both words are in the fact only).
-    assert _metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
+    assert metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
     assert _names_the_dog(response)
     # A fact encoded for another model is not even planned for injection.
     async with engine.begin() as conn:
@@ -231,7 +224,7 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
             model_fingerprint="f" * 64))
     refused = served.chat(user, question)
     assert refused.headers["x-inferscale-facts-injected"] == "0"
-    assert _metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
+    assert metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
     assert _names_the_dog(refused)
 
 
@@ -368,17 +361,17 @@ async def test_forget_from_the_cli_reaches_the_running_server(served, smol, cfg,
         turn(user, "t2", "Hal", "I photograph the Orion nebula every winter.")], encoder, store)
     assert served.chat(user, "What telescope does Hal use?", k=2).headers[
         "x-inferscale-facts-injected"] == "2"  # both blobs now sit in the host tier
-    purged_before = _metric(served, "inferscale_purged_blobs_total")
+    purged_before = metric(served, "inferscale_purged_blobs_total")
     done = await asyncio.to_thread(subprocess.run, [
         sys.executable, "-m", "inferscale.cli", "forget", "--user", user],
         env=settings_env(cfg), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 facts, 3 KV blobs" in done.stdout  # and the second fact's lead blob
     for _ in range(120):
-        if _metric(served, "inferscale_purged_blobs_total") >= purged_before + 2:
+        if metric(served, "inferscale_purged_blobs_total") >= purged_before + 2:
             break
         await asyncio.sleep(0.5)
-    assert _metric(served, "inferscale_purged_blobs_total") == purged_before + 2
+    assert metric(served, "inferscale_purged_blobs_total") == purged_before + 2
     assert served.chat(user, "What telescope does Hal use?").headers["x-inferscale-facts"] == "0"
 
 
@@ -421,14 +414,14 @@ async def test_memory_that_changes_is_served_as_it_is_now(served, smol, cfg, eng
         served_now = served.chat(user, question, k=3)
         assert served_now.headers["x-inferscale-fact-ids"] == str(history[-1][0])
         assert served_now.headers["x-inferscale-facts-injected"] == "1"  # now in the host tier
-        purged_before = _metric(served, "inferscale_purged_blobs_total")
+        purged_before = metric(served, "inferscale_purged_blobs_total")
         history.append(await say(turn_id, text, day))
         assert not (store.durable.root / history[-2][1]).exists()  # the durable blob is gone
         for _ in range(120):
-            if _metric(served, "inferscale_purged_blobs_total") > purged_before:
+            if metric(served, "inferscale_purged_blobs_total") > purged_before:
                 break
             await asyncio.sleep(0.5)
-        assert _metric(served, "inferscale_purged_blobs_total") == purged_before + 1
+        assert metric(served, "inferscale_purged_blobs_total") == purged_before + 1
     final = served.chat(user, question, k=3)
     assert final.headers["x-inferscale-fact-ids"] == str(history[-1][0])
     async with engine.connect() as conn:
