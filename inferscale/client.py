@@ -6,7 +6,8 @@
 >>> memory.edit_fact("alice", facts[0]["id"], "Alice moved to Lisbon in May 2025.")
 
 Both clients build the same requests (``_Call``); only how they are sent differs. A refused
-request raises ``MemoryAPIError`` with the server's status and message.
+request raises ``MemoryAPIError`` with the server's status and message. ``agent_id`` /
+``run_id`` scope what a call writes and filter what it reads (None: any).
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ def _user(user: str) -> str:
     return f"/v1/memory/users/{quote(user, safe='')}"
 
 
+def _scope(agent_id: str | None, run_id: str | None) -> dict[str, str]:
+    return {name: value for name, value in (("agent_id", agent_id), ("run_id", run_id))
+            if value is not None}
+
+
 class _Calls:
     """The API's requests, one builder per route."""
 
     @staticmethod
-    def list_facts(user: str, limit: int, cursor: str | None) -> _Call:
-        params: dict[str, Any] = {"limit": limit}
+    def list_facts(user: str, limit: int, cursor: str | None, agent_id: str | None = None,
+                   run_id: str | None = None) -> _Call:
+        params: dict[str, Any] = {"limit": limit, **_scope(agent_id, run_id)}
         if cursor is not None:
             params["cursor"] = cursor
         return _Call("GET", f"{_user(user)}/facts", params)
@@ -59,13 +66,17 @@ class _Calls:
         return _Call("GET", f"{_user(user)}/facts/{int(fact_id)}/history")
 
     @staticmethod
-    def search(user: str, query: str, k: int) -> _Call:
-        return _Call("POST", f"{_user(user)}/search", body={"query": query, "k": k})
+    def search(user: str, query: str, k: int, agent_id: str | None = None,
+               run_id: str | None = None) -> _Call:
+        return _Call("POST", f"{_user(user)}/search",
+                     body={"query": query, "k": k, **_scope(agent_id, run_id)})
 
     @staticmethod
-    def add_fact(user: str, text: str, conversation_id: str) -> _Call:
+    def add_fact(user: str, text: str, conversation_id: str, agent_id: str | None = None,
+                 run_id: str | None = None) -> _Call:
         return _Call("POST", f"{_user(user)}/facts",
-                     body={"text": text, "conversation_id": conversation_id})
+                     body={"text": text, "conversation_id": conversation_id,
+                           **_scope(agent_id, run_id)})
 
     @staticmethod
     def edit_fact(user: str, fact_id: int, text: str) -> _Call:
@@ -76,8 +87,10 @@ class _Calls:
         return _Call("DELETE", f"{_user(user)}/facts/{int(fact_id)}")
 
     @staticmethod
-    def add_turns(user: str, turns: list[dict[str, Any]]) -> _Call:
-        return _Call("POST", f"{_user(user)}/turns", body={"turns": turns})
+    def add_turns(user: str, turns: list[dict[str, Any]], agent_id: str | None = None,
+                  run_id: str | None = None) -> _Call:
+        return _Call("POST", f"{_user(user)}/turns",
+                     body={"turns": turns, **_scope(agent_id, run_id)})
 
     @staticmethod
     def forget(user: str) -> _Call:
@@ -123,15 +136,17 @@ class MemoryClient:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def list_facts(self, user: str, limit: int = 50, cursor: str | None = None) -> dict:
+    def list_facts(self, user: str, limit: int = 50, cursor: str | None = None,
+                   agent_id: str | None = None, run_id: str | None = None) -> dict:
         """One page of the owner's live facts and the cursor of the next (None: the last)."""
-        return dict(self._send(CALLS.list_facts(user, limit, cursor)))
+        return dict(self._send(CALLS.list_facts(user, limit, cursor, agent_id, run_id)))
 
-    def iter_facts(self, user: str, page: int = 200) -> Iterator[dict]:
+    def iter_facts(self, user: str, page: int = 200, agent_id: str | None = None,
+                   run_id: str | None = None) -> Iterator[dict]:
         """Every live fact of the owner, page by page."""
         cursor = None
         while True:
-            result = self.list_facts(user, page, cursor)
+            result = self.list_facts(user, page, cursor, agent_id, run_id)
             yield from result["facts"]
             if (cursor := result["next_cursor"]) is None:
                 return
@@ -143,13 +158,15 @@ class MemoryClient:
         """The fact's versions, oldest first."""
         return list(self._send(CALLS.history(user, fact_id))["versions"])
 
-    def search(self, user: str, query: str, k: int = 10) -> list[dict]:
+    def search(self, user: str, query: str, k: int = 10, agent_id: str | None = None,
+               run_id: str | None = None) -> list[dict]:
         """The owner's k facts the server would retrieve for ``query``, with scores."""
-        return list(self._send(CALLS.search(user, query, k))["hits"])
+        return list(self._send(CALLS.search(user, query, k, agent_id, run_id))["hits"])
 
-    def add_fact(self, user: str, text: str, conversation_id: str = "operator") -> dict:
+    def add_fact(self, user: str, text: str, conversation_id: str = "operator",
+                 agent_id: str | None = None, run_id: str | None = None) -> dict:
         """A fact given directly (admin keys only)."""
-        return dict(self._send(CALLS.add_fact(user, text, conversation_id)))
+        return dict(self._send(CALLS.add_fact(user, text, conversation_id, agent_id, run_id)))
 
     def edit_fact(self, user: str, fact_id: int, text: str) -> dict:
         """The new version of the fact (a new id; the old one is retired)."""
@@ -158,10 +175,12 @@ class MemoryClient:
     def delete_fact(self, user: str, fact_id: int) -> dict:
         return dict(self._send(CALLS.delete_fact(user, fact_id)))
 
-    def add_turns(self, user: str, turns: list[dict[str, Any]]) -> dict:
+    def add_turns(self, user: str, turns: list[dict[str, Any]], agent_id: str | None = None,
+                  run_id: str | None = None) -> dict:
         """Publish turns (``conversation_id``, ``turn_id``, ``speaker``, ``text``,
-        ``timestamp`` each): which were accepted, which refused and why."""
-        return dict(self._send(CALLS.add_turns(user, turns)))
+        ``timestamp`` each; a turn's own ``agent_id`` / ``run_id`` win over the call's): which
+        were accepted, which refused and why."""
+        return dict(self._send(CALLS.add_turns(user, turns, agent_id, run_id)))
 
     def forget(self, user: str) -> dict:
         return dict(self._send(CALLS.forget(user)))
@@ -189,13 +208,15 @@ class AsyncMemoryClient:
     async def __aexit__(self, *_: object) -> None:
         await self.aclose()
 
-    async def list_facts(self, user: str, limit: int = 50, cursor: str | None = None) -> dict:
-        return dict(await self._send(CALLS.list_facts(user, limit, cursor)))
+    async def list_facts(self, user: str, limit: int = 50, cursor: str | None = None,
+                         agent_id: str | None = None, run_id: str | None = None) -> dict:
+        return dict(await self._send(CALLS.list_facts(user, limit, cursor, agent_id, run_id)))
 
-    async def iter_facts(self, user: str, page: int = 200) -> AsyncIterator[dict]:
+    async def iter_facts(self, user: str, page: int = 200, agent_id: str | None = None,
+                         run_id: str | None = None) -> AsyncIterator[dict]:
         cursor = None
         while True:
-            result = await self.list_facts(user, page, cursor)
+            result = await self.list_facts(user, page, cursor, agent_id, run_id)
             for fact in result["facts"]:
                 yield fact
             if (cursor := result["next_cursor"]) is None:
@@ -207,11 +228,14 @@ class AsyncMemoryClient:
     async def history(self, user: str, fact_id: int) -> list[dict]:
         return list((await self._send(CALLS.history(user, fact_id)))["versions"])
 
-    async def search(self, user: str, query: str, k: int = 10) -> list[dict]:
-        return list((await self._send(CALLS.search(user, query, k)))["hits"])
+    async def search(self, user: str, query: str, k: int = 10, agent_id: str | None = None,
+                     run_id: str | None = None) -> list[dict]:
+        return list((await self._send(CALLS.search(user, query, k, agent_id, run_id)))["hits"])
 
-    async def add_fact(self, user: str, text: str, conversation_id: str = "operator") -> dict:
-        return dict(await self._send(CALLS.add_fact(user, text, conversation_id)))
+    async def add_fact(self, user: str, text: str, conversation_id: str = "operator",
+                       agent_id: str | None = None, run_id: str | None = None) -> dict:
+        return dict(await self._send(CALLS.add_fact(user, text, conversation_id, agent_id,
+                                                    run_id)))
 
     async def edit_fact(self, user: str, fact_id: int, text: str) -> dict:
         return dict(await self._send(CALLS.edit_fact(user, fact_id, text)))
@@ -219,8 +243,9 @@ class AsyncMemoryClient:
     async def delete_fact(self, user: str, fact_id: int) -> dict:
         return dict(await self._send(CALLS.delete_fact(user, fact_id)))
 
-    async def add_turns(self, user: str, turns: list[dict[str, Any]]) -> dict:
-        return dict(await self._send(CALLS.add_turns(user, turns)))
+    async def add_turns(self, user: str, turns: list[dict[str, Any]],
+                        agent_id: str | None = None, run_id: str | None = None) -> dict:
+        return dict(await self._send(CALLS.add_turns(user, turns, agent_id, run_id)))
 
     async def forget(self, user: str) -> dict:
         return dict(await self._send(CALLS.forget(user)))

@@ -48,12 +48,17 @@ ids = st.text(safe_text, min_size=1, max_size=256)
 
 @st.composite
 def valid_events(draw) -> dict:
-    """The JSON object of a valid turn event (naive or offset timestamps, any script)."""
+    """The JSON object of a valid turn event, v1 or v2 with or without scopes (naive or offset
+    timestamps, any script)."""
     stamp = draw(st.datetimes(datetime(1, 1, 2), datetime(9999, 12, 30),
                               timezones=st.none() | offsets | st.just(UTC)))
-    return {"version": 1, "user_id": draw(ids), "conversation_id": draw(ids),
+    version = draw(st.sampled_from([1, 2]))
+    scopes = {} if version == 1 else draw(st.fixed_dictionaries(
+        {}, optional={"agent_id": ids | st.none(), "run_id": ids | st.none()}))
+    return {"version": version, "user_id": draw(ids), "conversation_id": draw(ids),
             "turn_id": draw(ids), "speaker": draw(ids),
-            "text": draw(st.text(safe_text, max_size=300)), "timestamp": stamp.isoformat()}
+            "text": draw(st.text(safe_text, max_size=300)), "timestamp": stamp.isoformat(),
+            **scopes}
 
 
 # Raw JSON text for one value: what a broken or malicious producer could put in a field.

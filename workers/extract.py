@@ -144,14 +144,17 @@ class ExtractWorker(BatchStage):
         n = self.settings.update_candidates
         stored: list = [None] * len(asked)
         async with self.engine.connect() as conn:
-            for user in dict.fromkeys(to_ask[i][0].user_id for i in asked):
-                mine = [j for j, i in enumerate(asked) if to_ask[i][0].user_id == user]
-                near = await nearest_live_facts(conn, user, [vectors[asked[j]] for j in mine],
-                                                n)
+            for user, scope in dict.fromkeys((to_ask[i][0].user_id, to_ask[i][0].scope)
+                                             for i in asked):
+                mine = [j for j, i in enumerate(asked)
+                        if (to_ask[i][0].user_id, to_ask[i][0].scope) == (user, scope)]
+                near = await nearest_live_facts(conn, user, scope,
+                                                [vectors[asked[j]] for j in mine], n)
                 for j, facts in zip(mine, near, strict=True):
                     stored[j] = facts
         drafts = [NewDraft(to_ask[i][0].user_id, to_ask[i][2].text,
-                           np.asarray(vectors[i], dtype=np.float32)) for i in asked]
+                           np.asarray(vectors[i], dtype=np.float32), to_ask[i][0].scope)
+                  for i in asked]
         loop = asyncio.get_running_loop()
         plan = await loop.run_in_executor(None, plan_updates, drafts, stored, self.decide, n)
         unasked = [i for i, f in enumerate(flat) if f is None]
@@ -179,4 +182,5 @@ def _in_context(turn: ClaimedTurn) -> TurnInContext:
 def _new_fact(turn: ClaimedTurn, ordinal: int, draft: Draft, vector) -> NewFact:
     return NewFact(user_id=turn.user_id, conversation_id=turn.conversation_id,
                    turn_ids=(turn.turn_id,), ordinal=ordinal, extractor=draft.extractor,
-                   text=draft.text, ts=turn.ts, embedding=vector.tolist())
+                   text=draft.text, ts=turn.ts, embedding=vector.tolist(),
+                   agent_id=turn.agent_id, run_id=turn.run_id)

@@ -79,9 +79,11 @@ def _memory(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError("inferscale memory edit needs --text")
     with MemoryClient(server, args.api_key) as memory:
         calls = {
-            "list": lambda: memory.list_facts(args.user, args.limit, args.cursor),
+            "list": lambda: memory.list_facts(args.user, args.limit, args.cursor,
+                                              args.agent_id, args.run_id),
             "show": lambda: memory.get_fact(args.user, args.fact),
-            "search": lambda: memory.search(args.user, args.query, args.k),
+            "search": lambda: memory.search(args.user, args.query, args.k, args.agent_id,
+                                            args.run_id),
             "edit": lambda: memory.edit_fact(args.user, args.fact, args.text),
             "delete": lambda: memory.delete_fact(args.user, args.fact),
             "history": lambda: memory.history(args.user, args.fact),
@@ -116,6 +118,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=int, default=10, help="search: how many facts")
     p.add_argument("--limit", type=int, default=50, help="list: facts per page")
     p.add_argument("--cursor", help="list: the page after this cursor")
+    p.add_argument("--agent-id", help="list, search: only this agent's facts")
+    p.add_argument("--run-id", help="list, search: only this run's facts")
     p.add_argument("--server", help="the server's URL (default INFERSCALE_SERVER_URL)")
     p.add_argument("--api-key", help="a bearer key that may act for the user")
     p.set_defaults(func=_memory)

@@ -1,7 +1,10 @@
-"""Turn event contract (v1) and its validation for the ingest topic.
+"""Turn event contract (v1, v2) and its validation for the ingest topic.
 
 :func:`parse_turn` is the one gate between the topic and the database: whatever bytes arrive,
 it returns a valid :class:`TurnEvent` or raises :class:`InvalidEvent` with a short reason.
+v2 adds optional scopes (``agent_id``, ``run_id``: ``contracts/scope.py``); a v1 record is read
+as before (fields it does not define, scopes included, are ignored), so v1 producers keep
+working. A producer writes v1 where a turn has no scope (``TurnEvent`` picks the version).
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import reprlib
 from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-TURN_EVENT_VERSION: Final = 1
-STRING_FIELDS = ("user_id", "conversation_id", "turn_id", "speaker", "text")
+from inferscale.contracts.scope import SCOPE_FIELDS, Scope, ScopeValue
+
+TURN_EVENT_VERSIONS: Final = (1, 2)
+STRING_FIELDS = ("user_id", "conversation_id", "turn_id", "speaker", "text", *SCOPE_FIELDS)
 
 
 class InvalidEvent(ValueError):
@@ -30,13 +35,33 @@ class TurnEvent(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    version: Literal[1] = TURN_EVENT_VERSION
+    version: Literal[1, 2] = 1
     user_id: str = Field(min_length=1, max_length=256)
     conversation_id: str = Field(min_length=1, max_length=256)
     turn_id: str = Field(min_length=1, max_length=256)
     speaker: str = Field(min_length=1, max_length=256)
     text: str
     timestamp: datetime
+    agent_id: ScopeValue | None = None
+    run_id: ScopeValue | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version(cls, data: Any) -> Any:
+        """Unset: 2 where the turn has a scope, else 1 (what v1 consumers read); v1 with a
+        scope is refused (a v1 record's scopes are dropped by :func:`parse_turn`)."""
+        if not isinstance(data, dict):
+            return data
+        scoped = any(data.get(name) is not None for name in SCOPE_FIELDS)
+        if data.get("version") is None:
+            return {**data, "version": 2 if scoped else 1}
+        if data["version"] == 1 and scoped:
+            raise ValueError("agent_id and run_id need version 2")
+        return data
+
+    @property
+    def scope(self) -> Scope:
+        return Scope(self.agent_id, self.run_id)
 
     @field_validator("timestamp")
     @classmethod
@@ -49,7 +74,9 @@ class TurnEvent(BaseModel):
             raise ValueError("timestamp out of range") from None
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+        """The record's value: v1 records carry no scope fields."""
+        return self.model_dump_json(
+            exclude=set(SCOPE_FIELDS) if self.version == 1 else None).encode()
 
 
 def parse_turn(raw: bytes | None, max_text_bytes: int) -> TurnEvent:
@@ -70,8 +97,10 @@ def _parse(raw: bytes | None, max_text_bytes: int) -> TurnEvent:
     if not isinstance(data, dict):
         raise InvalidEvent("not a json object")
     version = data.get("version")
-    if type(version) is not int or version != TURN_EVENT_VERSION:  # not true, not 1.0
+    if type(version) is not int or version not in TURN_EVENT_VERSIONS:  # not true, not 1.0
         raise InvalidEvent(f"unknown version: {reprlib.repr(version)}")
+    if version == 1:  # v1 defines no scopes: ignored, as every field it does not define
+        data = {k: v for k, v in data.items() if k not in SCOPE_FIELDS}
     _check_strings(data, max_text_bytes)
     try:
         event = TurnEvent.model_validate(data)

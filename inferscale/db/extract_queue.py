@@ -17,6 +17,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from inferscale.contracts.scope import Scope
 from inferscale.db.tables import facts, turns
 from inferscale.db.turns import NewFact, lock_users
 
@@ -33,6 +34,12 @@ class ClaimedTurn:
     ts: datetime
     claim: int  # the claim's number: only its holder records the turn's facts
     context: list[str]  # "<speaker>: <text>" of the preceding turns, oldest first
+    agent_id: str | None = None  # the turn's scopes
+    run_id: str | None = None
+
+    @property
+    def scope(self) -> Scope:
+        return Scope(self.agent_id, self.run_id)
 
 # Claims are serialised by one transaction-scoped advisory lock, so two workers never lease
 # turns of the same user at once: a user's facts are decided against each other in turn order.
@@ -57,7 +64,7 @@ _CLAIM_TURNS = text("""
         WHERE (t.user_id, t.conversation_id, t.turn_id)
             = (p.user_id, p.conversation_id, p.turn_id)
         RETURNING t.user_id, t.conversation_id, t.turn_id, t.speaker, t.text, t.ts,
-                  t.extract_claims
+                  t.extract_claims, t.agent_id, t.run_id
     )
     SELECT t.*, COALESCE(ARRAY(
         SELECT c.speaker || ': ' || c.text FROM turns c
@@ -78,7 +85,8 @@ async def claim_unextracted_turns(conn: AsyncConnection, limit: int, lease_s: fl
                                              "context": context})
     return [ClaimedTurn(user_id=r.user_id, conversation_id=r.conversation_id, turn_id=r.turn_id,
                         speaker=r.speaker, text=r.text, ts=r.ts, claim=r.extract_claims,
-                        context=list(reversed(r.context))) for r in rows]
+                        context=list(reversed(r.context)), agent_id=r.agent_id,
+                        run_id=r.run_id) for r in rows]
 
 @dataclass(frozen=True)
 class StoredFact:
@@ -88,10 +96,11 @@ class StoredFact:
     text: str
     embedding: list[float]
 
-async def nearest_live_facts(conn: AsyncConnection, user_id: str,
+async def nearest_live_facts(conn: AsyncConnection, user_id: str, scope: Scope,
                              embeddings: Sequence[Sequence[float]], n: int
                              ) -> list[list[StoredFact]]:
-    """For each embedding, the user's ``n`` live facts nearest to it (exact, nearest first)."""
+    """For each embedding, the user's ``n`` live facts of exactly ``scope`` (a field None:
+    facts without it) nearest to it (exact, nearest first)."""
     if not embeddings or n <= 0:
         return [[] for _ in embeddings]
     rows = await conn.execute(text("""
@@ -100,9 +109,11 @@ async def nearest_live_facts(conn: AsyncConnection, user_id: str,
         CROSS JOIN LATERAL (
             SELECT id, text, embedding FROM facts
             WHERE user_id = :user AND deleted_at IS NULL
+              AND agent_id IS NOT DISTINCT FROM :agent AND run_id IS NOT DISTINCT FROM :run
             ORDER BY embedding <=> CAST(q.v AS vector), id LIMIT :n) f
         ORDER BY q.i, (f.embedding <=> CAST(q.v AS vector)), f.id
-    """), {"vectors": [_vector_text(e) for e in embeddings], "user": user_id, "n": n})
+    """), {"vectors": [_vector_text(e) for e in embeddings], "user": user_id, "n": n,
+           "agent": scope.agent_id, "run": scope.run_id})
     out: list[list[StoredFact]] = [[] for _ in embeddings]
     for r in rows:
         out[r.i - 1].append(StoredFact(r.id, r.text, json.loads(r.embedding)))

@@ -19,6 +19,8 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from inferscale.contracts.scope import ANY, Scope
+from inferscale.db.reads import in_scope
 from inferscale.db.tables import facts
 from inferscale.db.turns import lock_users
 
@@ -46,11 +48,14 @@ class FactRecord:
     kv_evicted: bool
     model_fingerprint: str | None
     encoded_at: datetime | None
+    agent_id: str | None
+    run_id: str | None
 
     def as_json(self) -> dict[str, Any]:
         """The record as the API returns it (timestamps in ISO 8601)."""
         return {"id": self.id, "user_id": self.user_id, "text": self.text,
                 "conversation_id": self.conversation_id, "turn_ids": self.turn_ids,
+                "agent_id": self.agent_id, "run_id": self.run_id,
                 "extractor": self.extractor, "ts": self.ts.isoformat(),
                 "created_at": self.created_at.isoformat(),
                 "deleted_at": self.deleted_at.isoformat() if self.deleted_at else None,
@@ -66,19 +71,20 @@ _COLUMNS = (facts.c.id, facts.c.user_id, facts.c.conversation_id, facts.c.text,
             facts.c.deleted_at, facts.c.superseded_by, facts.c.token_count,
             facts.c.kv_location.is_not(None).label("kv_encoded"), facts.c.kv_bytes,
             facts.c.kv_evicted_at.is_not(None).label("kv_evicted"),
-            facts.c.model_fingerprint, facts.c.encoded_at)
+            facts.c.model_fingerprint, facts.c.encoded_at, facts.c.agent_id, facts.c.run_id)
 
 
 def _record(row: Any) -> FactRecord:
     return FactRecord(**{**row._mapping, "turn_ids": list(row.turn_ids)})
 
 
-async def list_facts(conn: AsyncConnection, user_id: str, after_id: int, limit: int
-                     ) -> list[FactRecord]:
-    """The owner's live facts with ids above ``after_id``, in id order, at most ``limit``."""
+async def list_facts(conn: AsyncConnection, user_id: str, after_id: int, limit: int,
+                     scope: Scope = ANY) -> list[FactRecord]:
+    """The owner's live facts in ``scope`` with ids above ``after_id``, in id order, at most
+    ``limit``."""
     rows = await conn.execute(select(*_COLUMNS).where(
-        facts.c.user_id == user_id, facts.c.deleted_at.is_(None), facts.c.id > after_id)
-        .order_by(facts.c.id).limit(limit))
+        facts.c.user_id == user_id, facts.c.deleted_at.is_(None), facts.c.id > after_id,
+        *in_scope(scope)).order_by(facts.c.id).limit(limit))
     return [_record(row) for row in rows]
 
 
@@ -134,7 +140,7 @@ async def delete_fact(conn: AsyncConnection, user_id: str, fact_id: int
 
 async def edit_fact(conn: AsyncConnection, user_id: str, fact_id: int, new_text: str,
                     embedding: list[float]) -> tuple[FactRecord, str | None] | None:
-    """Replace one live fact of the owner by a new fact with ``new_text`` (same owner,
+    """Replace one live fact of the owner by a new fact with ``new_text`` (same owner, scope,
     conversation, source turns and time; no KV yet) and retire the old one, superseded by it:
     (the new fact, the old fact's KV location to remove everywhere); None where the owner has
     no such live fact."""
@@ -150,7 +156,8 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fact_id: int, new_text:
     new_id = (await conn.execute(insert(facts).values(
         user_id=user_id, conversation_id=old.conversation_id, turn_ids=old.turn_ids,
         ordinal=ordinal, extractor=EDIT_EXTRACTOR, text=new_text, ts=old.ts,
-        embedding=embedding).returning(facts.c.id))).scalar_one()
+        embedding=embedding, agent_id=old.agent_id, run_id=old.run_id)
+        .returning(facts.c.id))).scalar_one()
     await conn.execute(facts.update().where(facts.c.id == fact_id).values(
         deleted_at=func.clock_timestamp(), superseded_by=new_id))
     record = await get_fact(conn, user_id, new_id)
@@ -159,16 +166,17 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fact_id: int, new_text:
 
 
 async def add_fact(conn: AsyncConnection, user_id: str, conversation_id: str, fact_text: str,
-                   ts: datetime, embedding: list[float]) -> FactRecord:
-    """Store a fact given directly (an operator's; no source turn, no KV yet)."""
+                   ts: datetime, embedding: list[float], scope: Scope = ANY) -> FactRecord:
+    """Store a fact given directly (an operator's, in ``scope``; no source turn, no KV
+    yet)."""
     await lock_users(conn, [user_id], exclusive=False)
     ordinal = (await conn.execute(select(func.coalesce(func.max(facts.c.ordinal), -1) + 1).where(
         facts.c.user_id == user_id, facts.c.conversation_id == conversation_id,
         facts.c.extractor == OPERATOR_EXTRACTOR, facts.c.turn_ids == []))).scalar_one()
     new_id = (await conn.execute(insert(facts).values(
         user_id=user_id, conversation_id=conversation_id, turn_ids=[], ordinal=ordinal,
-        extractor=OPERATOR_EXTRACTOR, text=fact_text, ts=ts, embedding=embedding)
-        .returning(facts.c.id))).scalar_one()
+        extractor=OPERATOR_EXTRACTOR, text=fact_text, ts=ts, embedding=embedding,
+        agent_id=scope.agent_id, run_id=scope.run_id).returning(facts.c.id))).scalar_one()
     record = await get_fact(conn, user_id, new_id)
     assert record is not None  # inserted in this transaction
     return record

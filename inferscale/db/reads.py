@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import (
+    ColumnElement,
     select,
     text,
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from inferscale.contracts.scope import ANY, Scope
 from inferscale.db.tables import facts, memory_versions
 
 
@@ -38,13 +40,15 @@ async def memory_version(conn: AsyncConnection, user_id: str) -> tuple[int, int]
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 async def top_k_facts(conn: AsyncConnection, user_id: str, query_embedding: Sequence[float],
-                      k: int) -> list[RetrievedFact]:
-    """The owner's k live facts nearest to the query, ranked by pgvector (exact: the owner's
-    rows through ix_facts_user): for owners too large for a server's in-process index."""
+                      k: int, scope: Scope = ANY) -> list[RetrievedFact]:
+    """The owner's k live facts in ``scope`` nearest to the query, ranked by pgvector (exact:
+    the owner's rows through ix_facts_user): for owners too large for a server's in-process
+    index."""
     distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
     stmt = (select(facts.c.id, facts.c.text, distance, facts.c.token_ids, facts.c.kv_location,
                    facts.c.kv_checksum, facts.c.kv_lead_checksum, facts.c.model_fingerprint)
-            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None))
+            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None),
+                   *in_scope(scope))
             .order_by(distance, facts.c.id).limit(k))
     return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
 
@@ -71,13 +75,26 @@ async def memory_delta(conn: AsyncConnection, user_id: str, after_id: int) -> Me
     row = (await conn.execute(_MEMORY_DELTA, {"user": user_id, "after": after_id})).one()
     return MemoryDelta(int(row.version), int(row.inserted), int(row.retired), list(row.ids))
 
+@dataclass(frozen=True)
+class StoredEmbedding:
+    """A fact's embedding (pgvector's binary format) and scope: neither ever changes."""
+
+    id: int
+    embedding: bytes
+    agent_id: str | None
+    run_id: str | None
+
 async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
-                          ) -> list[tuple[int, bytes]]:
-    """(id, embedding in pgvector's binary format) of these facts, in id order."""
+                          ) -> list[StoredEmbedding]:
+    """These facts' embeddings and scopes, in id order."""
     rows = await conn.execute(text(
-        "SELECT id, vector_send(embedding) AS embedding FROM facts "
+        "SELECT id, vector_send(embedding) AS embedding, agent_id, run_id FROM facts "
         "WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id"), {"ids": list(fact_ids)})
-    return [(r.id, bytes(r.embedding)) for r in rows]
+    return [StoredEmbedding(r.id, bytes(r.embedding), r.agent_id, r.run_id) for r in rows]
+
+def in_scope(scope: Scope) -> list[ColumnElement[bool]]:
+    """SQL conditions selecting the facts in ``scope`` (none for a scope setting nothing)."""
+    return [facts.c[name] == value for name, value in scope.items()]
 
 _LIVE_FACTS = text("""
     SELECT coalesce(m.version, 0) AS version, f.id, f.text, f.token_ids, f.kv_location,

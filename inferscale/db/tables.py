@@ -30,6 +30,8 @@ turns = Table(
     Column("speaker", String(256), nullable=False),
     Column("text", Text, nullable=False),
     Column("ts", DateTime(timezone=True), nullable=False),
+    Column("agent_id", String(256)),  # the turn's scopes (migration 0011; NULL: none)
+    Column("run_id", String(256)),
     Column("source_topic", String(256)),
     Column("source_partition", Integer),
     Column("source_offset", BigInteger),
@@ -52,6 +54,8 @@ facts = Table(
     Column("text", Text, nullable=False),
     Column("ts", DateTime(timezone=True), nullable=False),
     Column("embedding", Vector(EMBEDDING_DIM), nullable=False),
+    Column("agent_id", String(256)),  # its turn's scopes (migration 0011; NULL: none)
+    Column("run_id", String(256)),
     Column("token_ids", ARRAY(Integer)),
     Column("token_count", Integer),
     Column("window", Integer),

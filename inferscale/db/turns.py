@@ -28,6 +28,8 @@ class StoredTurn:
     speaker: str
     text: str
     ts: datetime
+    agent_id: str | None = None
+    run_id: str | None = None
     source_topic: str | None = None
     source_partition: int | None = None
     source_offset: int | None = None
@@ -44,6 +46,8 @@ class NewFact:
     text: str
     ts: datetime
     embedding: Sequence[float]
+    agent_id: str | None = None  # its turn's scopes
+    run_id: str | None = None
 
 async def upsert_turns(conn: AsyncConnection, rows: Sequence[StoredTurn]) -> int:
     """Insert turns, ignoring ones already stored (natural key). Returns how many were new."""

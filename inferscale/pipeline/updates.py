@@ -1,11 +1,12 @@
 """The update step: each new fact against its user's nearest facts -> ADD, UPDATE, DELETE, NONE.
 
 ``plan_updates`` is pure: it walks a batch's new facts in turn order, in rounds (the r-th new
-fact of every user per round, so one batched decision call serves many users), and compares
-each with the nearest of its user's stored facts and of the new facts accepted earlier in the
-batch. UPDATE replaces the target with the new fact, DELETE removes the target (the new fact is
-not kept), NONE drops the new fact. Any unusable decision is an ADD: an update never loses a
-new fact.
+fact of every memory per round, so one batched decision call serves many users), and compares
+each with the nearest of its memory's stored facts and of the new facts accepted earlier in the
+batch. A memory is a user's facts of one exact scope (agent, run: ``contracts/scope.py``): a
+fact never replaces another agent's or run's. UPDATE replaces the target with the new fact,
+DELETE removes the target (the new fact is not kept), NONE drops the new fact. Any unusable
+decision is an ADD: an update never loses a new fact.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 
+from inferscale.contracts.scope import ANY, Scope
 from inferscale.db.extract_queue import Retirement, StoredFact
 from inferscale.pipeline.generators import JsonGenerator
 
@@ -38,11 +40,19 @@ Decide = Callable[[Sequence[tuple[str, Sequence[str]]]], list[Decision]]
 
 @dataclass(frozen=True)
 class NewDraft:
-    """A new fact of ``user_id`` with its (unit-norm) embedding."""
+    """A new fact of ``user_id`` (in ``scope``) with its (unit-norm) embedding."""
 
     user_id: str
     text: str
     embedding: np.ndarray
+    scope: Scope = ANY
+
+    @property
+    def memory(self) -> Memory:
+        return self.user_id, self.scope
+
+
+Memory = tuple[str, Scope]  # a user's facts of one exact scope
 
 
 @dataclass
@@ -56,12 +66,12 @@ class UpdatePlan:
 
 def plan_updates(drafts: Sequence[NewDraft], stored: Sequence[Sequence[StoredFact]],
                  decide: Decide, candidates: int) -> UpdatePlan:
-    """Decide every draft (``stored[i]``: its user's stored facts nearest to draft i)."""
-    order: dict[str, list[int]] = defaultdict(list)
+    """Decide every draft (``stored[i]``: its memory's stored facts nearest to draft i)."""
+    order: dict[Memory, list[int]] = defaultdict(list)
     for i, d in enumerate(drafts):
-        order[d.user_id].append(i)
+        order[d.memory].append(i)
     retired: dict[int, Retirement] = {}  # by stored fact id
-    kept: dict[str, list[int]] = defaultdict(list)  # accepted drafts per user, in order
+    kept: dict[Memory, list[int]] = defaultdict(list)  # accepted drafts per memory, in order
     for r in range(max((len(v) for v in order.values()), default=0)):
         round_ = [v[r] for v in order.values() if r < len(v)]
         shown = [_candidates(drafts, stored, i, retired, kept, candidates) for i in round_]
@@ -70,7 +80,7 @@ def plan_updates(drafts: Sequence[NewDraft], stored: Sequence[Sequence[StoredFac
         need = [j for j, c in enumerate(shown) if c]
         answers = dict(zip(need, decide([asks[j] for j in need]), strict=True)) if need else {}
         for j, i in enumerate(round_):
-            _apply(i, answers.get(j, ADD), shown[j], drafts[i].user_id, retired, kept)
+            _apply(i, answers.get(j, ADD), shown[j], drafts[i].memory, retired, kept)
     return UpdatePlan(keep=sorted(i for v in kept.values() for i in v),
                       retire=list(retired.values()))
 
@@ -79,14 +89,14 @@ Candidate = tuple[tuple[str, int], str]  # (("stored" | "draft", id or index), t
 
 
 def _candidates(drafts: Sequence[NewDraft], stored: Sequence[Sequence[StoredFact]], i: int,
-                retired: dict[int, Retirement], kept: dict[str, list[int]], n: int
+                retired: dict[int, Retirement], kept: dict[Memory, list[int]], n: int
                 ) -> list[Candidate]:
     """The n facts nearest to draft i: its stored neighbours still live and the drafts of its
-    user accepted so far, nearest first."""
+    memory accepted so far, nearest first."""
     here = drafts[i]
     pool = [(("stored", f.id), f.text, np.asarray(f.embedding, dtype=np.float32))
             for f in stored[i] if f.id not in retired]
-    pool += [(("draft", j), drafts[j].text, drafts[j].embedding) for j in kept[here.user_id]]
+    pool += [(("draft", j), drafts[j].text, drafts[j].embedding) for j in kept[here.memory]]
     if not pool:
         return []
     vectors = np.stack([v for _, _, v in pool])
@@ -95,8 +105,9 @@ def _candidates(drafts: Sequence[NewDraft], stored: Sequence[Sequence[StoredFact
     return [(pool[b][0], pool[b][1]) for b in best]
 
 
-def _apply(i: int, decision: Decision, shown: list[Candidate], user: str,
-           retired: dict[int, Retirement], kept: dict[str, list[int]]) -> None:
+def _apply(i: int, decision: Decision, shown: list[Candidate], memory: Memory,
+           retired: dict[int, Retirement], kept: dict[Memory, list[int]]) -> None:
+    user = memory[0]
     if decision.action in ("UPDATE", "DELETE"):
         if decision.target is None or not 0 <= decision.target < len(shown):
             decision = ADD
@@ -106,15 +117,15 @@ def _apply(i: int, decision: Decision, shown: list[Candidate], user: str,
             if kind == "stored":
                 retired[ref] = Retirement(user_id=user, fact_id=ref, by=by)
             else:  # a new fact of this batch: replaced before it was ever stored
-                kept[user].remove(ref)
+                kept[memory].remove(ref)
                 for fact_id, r in retired.items():  # what it replaced, this one replaces
                     if r.by == ref:
                         retired[fact_id] = Retirement(user_id=user, fact_id=fact_id, by=by)
             if by is not None:
-                kept[user].append(i)
+                kept[memory].append(i)
             return
     if decision.action == "ADD":
-        kept[user].append(i)
+        kept[memory].append(i)
 
 
 DECISION_SCHEMA = {

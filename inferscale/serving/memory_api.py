@@ -9,7 +9,9 @@ database holds it: from then on no server serves the old text (retrieval reads o
 and every server checks the owner's memory version per request) nor the old KV (a plan names
 only live facts); the old blob leaves the durable tier and this server's memory tiers before
 the response, every other server's through an invalidation record (a blob an encode records
-after the edit is removed by that worker: ``db/encode_queue.record_encoded``).
+after the edit is removed by that worker: ``db/encode_queue.record_encoded``). Listing and
+search take a scope filter (``agent_id``, ``run_id``: ``contracts/scope.py``), as chat requests
+do; turns and operator facts may carry a scope.
 """
 
 import asyncio
@@ -24,6 +26,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inferscale.contracts.events import TurnEvent
+from inferscale.contracts.scope import MAX_SCOPE_CHARS, SCOPE_PATTERN, Scope, ScopeValue
 from inferscale.platform.settings import Settings
 from inferscale.serving.compose import MemoryRuntime
 from inferscale.serving.guards import FrontendError, authorize
@@ -33,6 +36,8 @@ MAX_FACT_CHARS = 4000
 MAX_SEARCH_K = 100
 MAX_TURNS = 1000
 FactId = Annotated[int, Path(ge=1, le=2**63 - 1)]  # a bigint
+ScopeQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_SCOPE_CHARS,
+                                         pattern=SCOPE_PATTERN)]
 API = "/v1/memory"
 INSPECTOR_PATH = "/memory"  # outside /v1: a browser opens it without a bearer header
 INSPECTOR_HTML = (importlib.resources.files("inferscale.serving") / "static" / "inspector.html"
@@ -61,24 +66,35 @@ class FactText(BaseModel):
     text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
 
 
-class NewFactBody(FactText):
-    """A fact an operator adds directly (no source turn)."""
+class Scoped(BaseModel):
+    """An agent and / or run: the facts' scope, or a filter (None: any)."""
+
+    model_config = ConfigDict(extra="forbid")
+    agent_id: ScopeValue | None = None
+    run_id: ScopeValue | None = None
+
+    @property
+    def scope(self) -> Scope:
+        return Scope(self.agent_id, self.run_id)
+
+
+class NewFactBody(FactText, Scoped):
+    """A fact an operator adds directly (no source turn), in a scope."""
 
     conversation_id: str = Field(default="operator", min_length=1, max_length=256)
 
 
-class SearchBody(BaseModel):
-    """A query, retrieved as a chat request of the owner would be."""
+class SearchBody(Scoped):
+    """A query, retrieved as a chat request of the owner would be (in the scope given)."""
 
-    model_config = ConfigDict(extra="forbid")
     query: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
     k: int = Field(default=10, ge=1, le=MAX_SEARCH_K)
 
 
-class TurnsBody(BaseModel):
-    """Turns of the owner to publish (``user_id`` is the path's; a different one is refused)."""
+class TurnsBody(Scoped):
+    """Turns of the owner to publish (``user_id`` is the path's; a different one is refused);
+    ``agent_id`` / ``run_id`` apply to turns that set none."""
 
-    model_config = ConfigDict(extra="forbid")
     turns: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_TURNS)
 
 
@@ -135,12 +151,16 @@ def build_router(service: MemoryService) -> APIRouter:
 
     @router.get(API + "/users/{user_id}/facts", summary="List an owner's live facts")
     async def list_facts(user_id: Owner, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
-                         cursor: Annotated[str | None, Query(max_length=200)] = None
+                         cursor: Annotated[str | None, Query(max_length=200)] = None,
+                         agent_id: ScopeQuery = None, run_id: ScopeQuery = None
                          ) -> dict[str, Any]:
-        """Live facts in id order with provenance and KV status; ``next_cursor`` continues."""
+        """Live facts (of the agent / run given) in id order with provenance and KV status;
+        ``next_cursor`` continues."""
         from inferscale.db.memory_edits import list_facts as read
 
-        records = await in_transaction(lambda conn: read(conn, user_id, _after(cursor), limit))
+        scope = Scope(agent_id, run_id)
+        records = await in_transaction(
+            lambda conn: read(conn, user_id, _after(cursor), limit, scope))
         return {"facts": [r.as_json() for r in records],
                 "next_cursor": _cursor(records[-1].id) if len(records) == limit else None}
 
@@ -174,7 +194,8 @@ def build_router(service: MemoryService) -> APIRouter:
         await owner("*", request)  # admin keys only
         embedding = await embed(body.text)
         record = await in_transaction(lambda conn: store(
-            conn, user_id, body.conversation_id, body.text, datetime.now(UTC), embedding))
+            conn, user_id, body.conversation_id, body.text, datetime.now(UTC), embedding,
+            body.scope))
         return dict(record.as_json())
 
     @router.patch(API + "/users/{user_id}/facts/{fact_id}", summary="Edit a fact's text")
@@ -205,11 +226,12 @@ def build_router(service: MemoryService) -> APIRouter:
 
     @router.post(API + "/users/{user_id}/search", summary="Search as the server retrieves")
     async def search(user_id: Owner, body: SearchBody) -> dict[str, Any]:
-        """The owner's k live facts nearest to the query, with their cosine similarity."""
+        """The owner's k live facts (of the agent / run given) nearest to the query, with their
+        cosine similarity."""
         from inferscale.serving.retrieval import retrieve
 
         rt = await service.runtime()
-        hits = await retrieve(rt.index, rt.embedder, user_id, body.query, body.k)
+        hits = await retrieve(rt.index, rt.embedder, user_id, body.query, body.k, body.scope)
         return {"hits": [{"id": h.id, "text": h.text, "score": 1.0 - h.distance,
                           "kv_encoded": h.kv_location is not None} for h in hits]}
 
@@ -226,8 +248,10 @@ def build_router(service: MemoryService) -> APIRouter:
             if raw.get("user_id", user_id) != user_id:
                 refused.append({"index": i, "reason": "user_id differs from the path's"})
                 continue
+            scoped = {name: value for name, value in body.scope.items()
+                      if raw.get(name) is None}
             try:
-                turn = TurnEvent.model_validate({**raw, "user_id": user_id})
+                turn = TurnEvent.model_validate({**raw, **scoped, "user_id": user_id})
             except ValidationError as exc:
                 refused.append({"index": i, "reason": exc.errors()[0]["msg"]})
                 continue

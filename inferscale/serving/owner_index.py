@@ -5,7 +5,8 @@ the hits' rows in one statement. Where it moved and nothing was retired since, t
 fetches the facts stored since (ids above the last it holds; the counters prove none was
 missed); else it re-reads the owner's live ids and fetches only the embeddings it lacks (a
 fact's embedding never changes); then it ranks again. Ranking is one matrix-vector product
-over the owner's unit vectors; rows are read by id, live only. Owners are kept within a byte
+over the owner's unit vectors (a scoped search ranks the rows of its scope: a fact's scope, like
+its embedding, never changes); rows are read by id, live only. Owners are kept within a byte
 budget, least recently used first out; an owner with more facts than the whole budget holds
 is ranked by Postgres instead (exact, slower: ~2.5 us per fact).
 """
@@ -21,9 +22,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from inferscale.contracts.scope import ANY, SCOPE_FIELDS, Scope
 from inferscale.db.reads import (
     MemoryDelta,
     RetrievedFact,
+    StoredEmbedding,
     fact_embeddings,
     live_facts,
     memory_delta,
@@ -54,13 +57,15 @@ def decode_vectors(blobs: list[bytes]) -> np.ndarray:
 @dataclass(frozen=True)
 class OwnerVectors:
     """One owner's live facts at one memory version: ids ascending, their unit vectors in the
-    first rows of ``buffer`` (rows past them are room for facts stored later)."""
+    first rows of ``buffer`` (rows past them are room for facts stored later) and their scopes
+    (one object array per field of ``SCOPE_FIELDS``, None where unset)."""
 
     version: int  # -1: read while it changed; reloaded on the next request
     inserted: int  # the owner's counters when read (``MemoryDelta``)
     retired: int
     ids: np.ndarray  # int64, (n,)
     buffer: np.ndarray  # float32, (capacity >= n, dim)
+    scopes: tuple[np.ndarray, ...]  # object, (n,) each
 
     @property
     def matrix(self) -> np.ndarray:
@@ -68,20 +73,27 @@ class OwnerVectors:
 
     @property
     def nbytes(self) -> int:
-        return self.ids.nbytes + self.buffer.nbytes
+        return self.ids.nbytes + self.buffer.nbytes + sum(s.nbytes for s in self.scopes)
 
-    def nearest(self, query: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, cosine distances) of the n nearest rows, nearest first, ties by id."""
-        if n <= 0 or not len(self.ids):
-            return self.ids[:0], np.zeros(0, np.float32)
-        scores = self.matrix @ query
+    def nearest(self, query: np.ndarray, n: int, scope: Scope = ANY
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, cosine distances) of the n nearest rows in ``scope``, nearest first, ties by
+        id."""
+        ids, matrix = self.ids, self.matrix
+        if scope != ANY:
+            fields = dict(zip(SCOPE_FIELDS, self.scopes, strict=True))
+            rows = np.logical_and.reduce([fields[name] == value for name, value in scope.items()])
+            ids, matrix = ids[rows], matrix[rows]
+        if n <= 0 or not len(ids):
+            return ids[:0], np.zeros(0, np.float32)
+        scores = matrix @ query
         if n < len(scores):
             kth = np.partition(scores, len(scores) - n)[len(scores) - n]
             candidates = np.flatnonzero(scores >= kth)  # every tie at the boundary
         else:
             candidates = np.arange(len(scores))
-        order = candidates[np.lexsort((self.ids[candidates], -scores[candidates]))][:n]
-        return self.ids[order], 1.0 - scores[order]
+        order = candidates[np.lexsort((ids[candidates], -scores[candidates]))][:n]
+        return ids[order], 1.0 - scores[order]
 
 
 def _unit(rows: np.ndarray) -> np.ndarray:
@@ -106,8 +118,10 @@ class OwnerIndex:
         """Whether this owner's vectors are held now (else the next search loads them)."""
         return user_id in self._owners
 
-    async def search(self, user_id: str, query: np.ndarray, k: int) -> list[RetrievedFact]:
-        """The owner's k live facts nearest to ``query``, nearest first (exact). Ranks the held
+    async def search(self, user_id: str, query: np.ndarray, k: int, scope: Scope = ANY
+                     ) -> list[RetrievedFact]:
+        """The owner's k live facts in ``scope`` nearest to ``query``, nearest first (exact).
+        Ranks the held
         vectors, then reads the hits' rows with the memory version in one statement; where the
         version moved, catches up and ranks again (under a stream of changes, after
         ``CATCH_UPS`` tries it serves the live rows of its last ranking)."""
@@ -122,8 +136,8 @@ class OwnerIndex:
         for _ in range(CATCH_UPS):
             if owner is None:  # larger than the budget: Postgres ranks them
                 async with self._connect() as conn:
-                    return await top_k_facts(conn, user_id, query.tolist(), k)
-            ids, distances = owner.nearest(query, k + SLACK)
+                    return await top_k_facts(conn, user_id, query.tolist(), k, scope)
+            ids, distances = owner.nearest(query, k + SLACK, scope)
             async with self._connect() as conn:
                 version, rows = await live_facts(conn, user_id, ids.tolist())
             if version == owner.version and len(rows) == len(ids):
@@ -191,12 +205,17 @@ class OwnerIndex:
             yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
-def _append(cached: OwnerVectors, delta: MemoryDelta, fetched: list[tuple[int, bytes]]
+def _scopes(fetched: list[StoredEmbedding]) -> tuple[np.ndarray, ...]:
+    """The fetched facts' scope fields, one object array per field."""
+    return tuple(np.array([getattr(f, name) for f in fetched], object) for name in SCOPE_FIELDS)
+
+
+def _append(cached: OwnerVectors, delta: MemoryDelta, fetched: list[StoredEmbedding]
             ) -> OwnerVectors:
     """``cached`` plus the facts stored since, in place past its rows where the buffer has room
     (searches holding ``cached`` read only its own rows)."""
-    ids = np.asarray([i for i, _ in fetched], np.int64)
-    rows = _unit(decode_vectors([blob for _, blob in fetched]))
+    ids = np.asarray([f.id for f in fetched], np.int64)
+    rows = _unit(decode_vectors([f.embedding for f in fetched]))
     n, total = len(cached.ids), len(cached.ids) + len(ids)
     buffer = cached.buffer
     if total > len(buffer) or (len(ids) and buffer.shape[1] != rows.shape[1]):
@@ -206,20 +225,23 @@ def _append(cached: OwnerVectors, delta: MemoryDelta, fetched: list[tuple[int, b
             buffer[:n] = cached.matrix
     if len(ids):
         buffer[n:total] = rows
+    scopes = tuple(np.concatenate([held, new])
+                   for held, new in zip(cached.scopes, _scopes(fetched), strict=True))
     return OwnerVectors(delta.version, delta.inserted, delta.retired,
-                        np.concatenate([cached.ids, ids]), buffer)
+                        np.concatenate([cached.ids, ids]), buffer, scopes)
 
 
 def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta,
-             fetched: list[tuple[int, bytes]]) -> OwnerVectors:
+             fetched: list[StoredEmbedding]) -> OwnerVectors:
     """The rows of ``delta.ids``: those ``cached`` holds, plus the fetched embeddings."""
-    fetched_ids = np.asarray([i for i, _ in fetched], np.int64)
-    fetched_rows = _unit(decode_vectors([blob for _, blob in fetched]))
-    parts_ids, parts_rows = [fetched_ids], [fetched_rows]
+    fetched_ids = np.asarray([f.id for f in fetched], np.int64)
+    fetched_rows = _unit(decode_vectors([f.embedding for f in fetched]))
+    parts_ids, parts_rows, parts_scopes = [fetched_ids], [fetched_rows], [_scopes(fetched)]
     if cached is not None and len(cached.ids):
         kept = np.isin(cached.ids, np.asarray(delta.ids, np.int64), assume_unique=True)
         parts_ids.insert(0, cached.ids[kept])
         parts_rows.insert(0, cached.matrix[kept])
+        parts_scopes.insert(0, tuple(s[kept] for s in cached.scopes))
     parts_rows = [rows for rows, ids in zip(parts_rows, parts_ids, strict=True) if len(ids)]
     ids = np.concatenate(parts_ids)
     order = np.argsort(ids, kind="stable")
@@ -227,7 +249,9 @@ def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta,
     buffer = np.empty((_capacity(len(ids)), dim), np.float32)
     if len(ids):
         np.take(np.concatenate(parts_rows), order, axis=0, out=buffer[:len(ids)])
-    return OwnerVectors(delta.version, delta.inserted, delta.retired, ids[order], buffer)
+    scopes = tuple(np.concatenate(field)[order] for field in zip(*parts_scopes, strict=True))
+    return OwnerVectors(delta.version, delta.inserted, delta.retired, ids[order], buffer,
+                        scopes)
 
 
 def _capacity(n: int) -> int:

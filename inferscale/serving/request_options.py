@@ -5,8 +5,9 @@ object, else the ``X-InferScale-*`` headers, else the server's settings.
 retrieved; ``recompute``: the best m facts prefilled after the injected ones; ``order``:
 ``relevance`` (best last) or ``time`` (stored order); ``lead``: the first injected fact uses its
 lead encoding where it has one; ``key_scales``: how strongly the connector applies its key
-scales, true / false or a strength in [0, 1]. The lab's CLI parses strengths with the same
-type (``STRENGTH``).
+scales, true / false or a strength in [0, 1]; ``agent_id`` / ``run_id``: retrieve only the
+owner's facts of that agent / run (``contracts/scope.py``; unset: any). The lab's CLI parses
+strengths with the same type (``STRENGTH``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
+from inferscale.contracts.scope import Scope, ScopeValue
 from inferscale.platform.settings import Settings
 from inferscale.serving.guards import FrontendError
 
 MAX_K = 200
 HEADERS = {"mode": "x-inferscale-memory", "k": "x-inferscale-k",
            "recompute": "x-inferscale-recompute", "order": "x-inferscale-order",
-           "lead": "x-inferscale-lead", "key_scales": "x-inferscale-key-scales"}
+           "lead": "x-inferscale-lead", "key_scales": "x-inferscale-key-scales",
+           "agent_id": "x-inferscale-agent-id", "run_id": "x-inferscale-run-id"}
 
 
 def _strength(raw: object) -> object:
@@ -59,6 +62,12 @@ class MemoryOptions(BaseModel):
     order: Literal["relevance", "time"] = "relevance"
     lead: Flag = True
     key_scales: Strength = 1.0
+    agent_id: ScopeValue | None = None
+    run_id: ScopeValue | None = None
+
+    @property
+    def scope(self) -> Scope:
+        return Scope(self.agent_id, self.run_id)
 
 
 def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
@@ -75,7 +84,7 @@ def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
                 "recompute": settings.recompute_tail, "order": settings.fact_order,
                 "lead": settings.lead_encoding,
                 "key_scales": settings.key_scale_strength if settings.key_scales != "off"
-                else 0.0}
+                else 0.0, "agent_id": None, "run_id": None}
     raw = {name: given[name] if given.get(name) is not None else headers.get(header,
                                                                            defaults[name])
            for name, header in HEADERS.items()}

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
+from inferscale.contracts.scope import ANY, Scope
 from inferscale.db.reads import RetrievedFact
 from inferscale.pipeline.embedder import Embedder
 from inferscale.serving.owner_index import OwnerIndex
 
 
-async def retrieve(index: OwnerIndex, embedder: Embedder, user_id: str, query: str, k: int
-                   ) -> list[RetrievedFact]:
-    """Embed the query off the event loop, then search the owner's facts, nearest first."""
+async def retrieve(index: OwnerIndex, embedder: Embedder, user_id: str, query: str, k: int,
+                   scope: Scope = ANY) -> list[RetrievedFact]:
+    """Embed the query off the event loop, then search the owner's facts in ``scope``, nearest
+    first."""
     if k <= 0:
         return []
     loop = asyncio.get_running_loop()
     vector = (await loop.run_in_executor(None, embedder.encode, [query]))[0]
-    return await index.search(user_id, vector, k)
+    return await index.search(user_id, vector, k, scope)

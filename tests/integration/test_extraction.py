@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from helpers import extract_all, turn
+from inferscale.contracts.scope import Scope
 from inferscale.db.extract_queue import StoredFact
 from inferscale.db.tables import facts, turns
 from inferscale.db.turns import count_user_rows
@@ -127,6 +128,22 @@ def test_a_later_fact_of_the_batch_updates_an_earlier_one():
     assert [(r.fact_id, r.by) for r in plan.retire] == [(10, 1)]
     assert [len(round_) for round_ in script.asked] == [1, 1]
     assert script.asked[1][0] == ("moved to Porto", ["moved to Lisbon"])  # Paris is retired
+
+
+def test_a_fact_never_replaces_another_agents_or_runs():
+    """One user, three scopes in one batch: each draft is shown (and may replace) only the
+    facts and earlier drafts of its own scope."""
+    coach, chef = Scope(agent_id="coach"), Scope(agent_id="chef")
+    drafts = [replace(draft("u", "lives in Paris", 1, 0), scope=coach),
+              replace(draft("u", "moved to Lisbon", 1, 0.1), scope=chef),
+              replace(draft("u", "moved to Porto", 1, 0.2), scope=coach)]
+    script = Script({"moved to Lisbon": Decision("UPDATE", 0),
+                     "moved to Porto": Decision("UPDATE", 0)})
+    plan = plan_updates(drafts, [[], [], []], script, candidates=5)
+    assert plan.keep == [1, 2] and plan.retire == []  # Porto replaced Paris (same agent)
+    shown = dict(item for round_ in script.asked for item in round_)
+    assert "moved to Lisbon" not in shown  # nothing of its scope to compare with: not asked
+    assert shown["moved to Porto"] == ["lives in Paris"]
 
 
 def test_llm_decider_maps_unusable_answers_to_add():
@@ -286,6 +303,34 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
     assert [h.id for h in hits] == [porto]
     assert not (store.durable.root / location).exists()
     assert invalidated == [(user, [location])]
+
+
+async def test_scoped_turns_make_scoped_facts_updated_within_their_scope(settings, engine,
+                                                                        embedder):
+    """v2 turns carry an agent and a run to their facts; a move told to one agent replaces
+    that agent's memory of the home, never another agent's; a v1 turn's facts have no scope."""
+    user = f"scoped-{uuid.uuid4().hex[:6]}"
+
+    def decide(items):
+        return [Decision("UPDATE", 0) if "moved" in new else Decision("ADD") for new, _ in items]
+
+    def scoped(turn_id, text, day, agent, run=None):
+        return turn(user, turn_id, "Ana", text, day).model_copy(
+            update={"version": 2, "agent_id": agent, "run_id": run})
+
+    await _ingest(settings, engine, [scoped("t1", "I live in Paris.", 1, "coach", "s1"),
+                                     scoped("t2", "I live in Paris.", 1, "chef"),
+                                     turn(user, "t3", "Ana", "I live in Paris.", 1)])
+    await extract_all(settings, engine, embedder, decide=decide)
+    await _ingest(settings, engine, [scoped("t4", "I moved to Lisbon.", 2, "chef")])
+    await extract_all(settings, engine, embedder, decide=decide)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(
+            facts.c.turn_ids, facts.c.agent_id, facts.c.run_id, facts.c.deleted_at.is_(None))
+            .where(facts.c.user_id == user).order_by(facts.c.id))).all()
+    state = {r.turn_ids[0]: (r.agent_id, r.run_id, r[3]) for r in rows}
+    assert state == {"t1": ("coach", "s1", True), "t2": ("chef", None, False),
+                     "t3": (None, None, True), "t4": ("chef", None, True)}
 
 
 async def _all(engine, user) -> list[tuple[int, str]]:

@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import delete, text, update
 
+from inferscale.contracts.scope import Scope
 from inferscale.db.extract_queue import nearest_live_facts
 from inferscale.db.reads import memory_version
 from inferscale.db.tables import facts
@@ -105,7 +106,7 @@ async def test_ranking_equals_postgres_exact_ranking(engine, index):
     await _insert(engine, _rows(owner, vectors))
     queries = _unit(rng.standard_normal((10, 384)).astype(np.float32))
     async with engine.connect() as conn:
-        expected = await nearest_live_facts(conn, owner, queries.tolist(), 50)
+        expected = await nearest_live_facts(conn, owner, Scope(), queries.tolist(), 50)
     for query, want in zip(queries, expected, strict=True):
         hits = await index.search(owner, query, 50)
         assert len(hits) == 50
@@ -257,15 +258,67 @@ async def test_an_owner_larger_than_the_budget_is_ranked_by_postgres(engine):
     assert index.nbytes == 0 and await index.current(owner) is None
 
 
+async def test_a_scoped_search_ranks_only_that_agents_or_runs_facts(engine, index):
+    """Scopes (turn event v2) filter retrieval exactly: held vectors (loaded, then appended to)
+    and Postgres's ranking (an owner over the budget) agree with a brute-force ranking of the
+    facts in scope, and never return another agent's or run's."""
+    rng = np.random.default_rng(23)
+    owner = f"owner-{uuid.uuid4().hex[:6]}"
+    scopes = [Scope(agent, run) for agent in ("coach", "chef", None) for run in ("r1", None)]
+    vectors = _unit(rng.standard_normal((60, 384)).astype(np.float32))
+    chosen = [scopes[i % len(scopes)] for i in range(60)]
+
+    def rows(start: int, stop: int) -> list[NewFact]:
+        return [dataclasses.replace(row, agent_id=chosen[start + i].agent_id,
+                                    run_id=chosen[start + i].run_id)
+                for i, row in enumerate(_rows(owner, vectors[start:stop], start))]
+
+    async def check(search) -> None:
+        for scope in [Scope(), Scope(agent_id="coach"), Scope(run_id="r1"),
+                      Scope("chef", "r1"), Scope(agent_id="nobody")]:
+            inside = [i for i, s in enumerate(chosen[:len(expected_rows)])
+                      if all(getattr(s, name) == value for name, value in scope.items())]
+            exact = [inside[j] for j in np.argsort(-(vectors[inside] @ query), kind="stable")[:7]]
+            hits = await search(scope)
+            assert [h.text for h in hits] == [f"{owner} {i}" for i in exact], scope
+
+    query = _unit(rng.standard_normal(384).astype(np.float32))
+    expected_rows = rows(0, 40)
+    await _insert(engine, expected_rows)
+    await check(lambda scope: index.search(owner, query, 7, scope))
+    expected_rows = expected_rows + rows(40, 60)
+    await _insert(engine, rows(40, 60))  # appended to the held vectors
+    await check(lambda scope: index.search(owner, query, 7, scope))
+    over_budget = OwnerIndex(engine, max_bytes=10 * (384 * 4 + 8))
+    await check(lambda scope: over_budget.search(owner, query, 7, scope))
+    assert owner not in over_budget
+
+
 def test_nearest_takes_every_tie_at_the_boundary():
     """Pure ranking: ids of equal scores come in id order, whichever side of the partition."""
     ids = np.asarray([50, 10, 40, 20, 30], np.int64)
     matrix = np.asarray([[1, 0], [0, 1], [1, 0], [1, 0], [0.6, 0.8]], np.float32)
-    owner = OwnerVectors(1, 5, 0, ids, matrix)
+    none = np.array([None] * 5, object)
+    owner = OwnerVectors(1, 5, 0, ids, matrix, (none, none))
     got, distances = owner.nearest(np.asarray([1, 0], np.float32), 2)
     assert got.tolist() == [20, 40] and distances.tolist() == [0.0, 0.0]
     assert owner.nearest(np.asarray([1, 0], np.float32), 9)[0].tolist() == [20, 40, 50, 30, 10]
     assert owner.nearest(np.asarray([1, 0], np.float32), 0)[0].tolist() == []
+
+
+def test_nearest_ranks_only_the_scope_asked_for():
+    """Pure ranking: a scope filter keeps the rows whose fields equal every field it sets."""
+    ids = np.asarray([10, 20, 30, 40], np.int64)
+    matrix = np.asarray([[1, 0], [0.8, 0.6], [0.6, 0.8], [0, 1]], np.float32)
+    agents = np.array(["a", "b", None, "a"], object)
+    runs = np.array(["r1", "r1", "r1", None], object)
+    owner = OwnerVectors(1, 4, 0, ids, matrix, (agents, runs))
+    query = np.asarray([1, 0], np.float32)
+    assert owner.nearest(query, 9)[0].tolist() == [10, 20, 30, 40]
+    assert owner.nearest(query, 9, Scope(agent_id="a"))[0].tolist() == [10, 40]
+    assert owner.nearest(query, 9, Scope(run_id="r1"))[0].tolist() == [10, 20, 30]
+    assert owner.nearest(query, 9, Scope("a", "r1"))[0].tolist() == [10]
+    assert owner.nearest(query, 9, Scope(agent_id="c"))[0].tolist() == []
 
 
 def test_decode_vectors_reads_pgvector_binary_and_refuses_other_sizes():

@@ -32,6 +32,24 @@ def test_valid_event_round_trips():
     assert event.timestamp.utcoffset().total_seconds() == 0
 
 
+def test_v2_events_carry_scopes_and_v1_events_keep_working():
+    """v2 round-trips its scopes; a v1 record is read as before (scope fields it does not
+    define are ignored); a producer's event is v1 unless it has a scope."""
+    v2 = parse_turn(json.dumps({**GOOD, "version": 2, "agent_id": "coach", "run_id": "s1"})
+                    .encode(), 100)
+    assert (v2.version, v2.agent_id, v2.run_id) == (2, "coach", "s1")
+    assert parse_turn(v2.to_bytes(), 100) == v2
+    v1 = parse_turn(json.dumps({**GOOD, "agent_id": "coach"}).encode(), 100)
+    assert (v1.version, v1.agent_id, v1.run_id) == (1, None, None)
+    fields = {k: v for k, v in GOOD.items() if k != "version"}
+    assert TurnEvent.model_validate(fields).version == 1
+    assert b"agent_id" not in TurnEvent.model_validate(fields).to_bytes()
+    scoped = TurnEvent.model_validate({**fields, "run_id": "s1"})
+    assert (scoped.version, scoped.run_id) == (2, "s1")
+    with pytest.raises(ValueError, match="version 2"):
+        TurnEvent.model_validate({**GOOD, "agent_id": "coach"})
+
+
 def test_naive_timestamp_is_utc():
     event = parse_turn(json.dumps({**GOOD, "timestamp": "2025-01-02T03:04:05"}).encode(), 100)
     assert event.timestamp.tzinfo is not None
@@ -47,7 +65,12 @@ def _raw(**fields) -> bytes:
         (b"{not json", "invalid json"),
         (b"\xff\xfe", "invalid json"),
         (b"[1, 2]", "not a json object"),
-        (_raw(version=2), "unknown version: 2"),
+        (_raw(version=3), "unknown version: 3"),
+        (_raw(version=2, agent_id=""), "agent_id"),
+        (_raw(version=2, run_id="r\x00"), "run_id contains NUL"),
+        (_raw(version=2, agent_id="a" * 257), "agent_id"),
+        (_raw(version=2, run_id=["r"]), "run_id"),
+        (_raw(version=2, agent_id="\udfff"), "agent_id is not valid UTF-8"),
         (json.dumps({k: v for k, v in GOOD.items() if k != "version"}).encode(),
          "unknown version: None"),
         (_raw(version=True), "unknown version: True"),

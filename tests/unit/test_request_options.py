@@ -47,11 +47,22 @@ def test_no_owner_means_no_memory_and_key_scales_off_means_zero():
     ({"k": 2.5}, "k"), ({"recompute": "two"}, "recompute"),
     ({"key_scales": 1.5}, "key_scales"), ({"key_scales": "nan"}, "key_scales"),
     ({"key_scales": float("inf")}, "key_scales"),
+    ({"agent_id": ""}, "agent_id"), ({"agent_id": 7}, "agent_id"),
+    ({"agent_id": "a\x00"}, "agent_id"), ({"run_id": "r" * 257}, "run_id"),
+    ({"run_id": ["r"]}, "run_id"),
     ({"colour": "red"}, "colour")])
 def test_bad_options_are_a_400_naming_the_option(given, named):
     with pytest.raises(FrontendError) as refused:
         owner_and_options({"user": "ana", "inferscale": given}, {}, SERVER)
     assert refused.value.status == 400 and named in refused.value.message
+
+
+def test_scope_comes_from_the_body_or_the_headers():
+    _, options = owner_and_options({"user": "ana", "inferscale": {"agent_id": "coach"}},
+                                   {"x-inferscale-run-id": "s1"}, SERVER)
+    assert (options.scope.agent_id, options.scope.run_id) == ("coach", "s1")
+    _, options = owner_and_options({"user": "ana"}, {}, SERVER)
+    assert options.scope.items() == []
 
 
 @pytest.mark.parametrize(("header", "value"), [("x-inferscale-lead", "maybe"),
@@ -73,9 +84,12 @@ def test_a_bad_owner_is_a_400(owner):
 
 @settings(max_examples=300, deadline=None)
 @given(options=json_values | st.dictionaries(
-    st.sampled_from(["mode", "k", "recompute", "order", "lead", "key_scales"]), json_values),
+    st.sampled_from(["mode", "k", "recompute", "order", "lead", "key_scales", "agent_id",
+                     "run_id"]), json_values),
        headers=st.dictionaries(st.sampled_from(["x-inferscale-k", "x-inferscale-lead",
-                                                "x-inferscale-key-scales", "x-inferscale-user"]),
+                                                "x-inferscale-key-scales", "x-inferscale-user",
+                                                "x-inferscale-agent-id",
+                                                "x-inferscale-run-id"]),
                                st.text(max_size=12)))
 def test_hostile_options_are_read_or_refused_with_a_400(options, headers):
     tried("front end: memory options")
@@ -86,3 +100,5 @@ def test_hostile_options_are_read_or_refused_with_a_400(options, headers):
     else:
         assert 0 <= read.k <= MAX_K and 0 <= read.recompute <= MAX_K
         assert 0.0 <= read.key_scales <= 1.0
+        assert all(0 < len(value) <= 256 and "\x00" not in value
+                   for _, value in read.scope.items())

@@ -1,0 +1,42 @@
+"""Scopes beyond the owner: a fact belongs to its owner and, optionally, to an agent and a run
+(session), taken from the turn it came from (turn event v2; migration 0011).
+
+A :class:`Scope` used as a filter selects an owner's facts whose fields equal every field it
+sets; a field left None matches any value (a filter setting nothing matches every fact). Scope
+values follow the id rules of the turn event: 1-256 characters, no NUL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Final
+
+from pydantic import Field, TypeAdapter
+
+SCOPE_FIELDS: Final = ("agent_id", "run_id")
+MAX_SCOPE_CHARS: Final = 256
+SCOPE_PATTERN: Final = r"^[^\x00]+$"  # no NUL (Postgres cannot store it)
+ScopeValue = Annotated[str, Field(min_length=1, max_length=MAX_SCOPE_CHARS,
+                                  pattern=SCOPE_PATTERN)]  # as request and API fields take it
+
+
+@dataclass(frozen=True)
+class Scope:
+    """An owner's facts of one agent and / or one run (None: any)."""
+
+    agent_id: str | None = None
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        """Raises pydantic's ValidationError for a value no turn could carry."""
+        for _, value in self.items():
+            _SCOPE_VALUE.validate_python(value, strict=True)
+
+    def items(self) -> list[tuple[str, str]]:
+        """The fields this scope sets, as (name, value)."""
+        return [(name, value) for name in SCOPE_FIELDS
+                if (value := getattr(self, name)) is not None]
+
+
+_SCOPE_VALUE: TypeAdapter[str] = TypeAdapter(ScopeValue)
+ANY: Final = Scope()
