@@ -137,3 +137,57 @@ async def test_hostile_memory_api_requests_get_4xx_and_change_nothing(served, sm
         assert 400 <= response.status_code < 500, (response.request.url, response.text)
     assert memory.list_facts(user)["facts"] == before
     assert memory.get_fact(other, theirs)["id"] == theirs
+
+
+async def test_scopes_never_leak_across_agents_runs_or_users(served, smol, cfg, engine,
+                                                            embedder):
+    """Turns added through the API under agents and runs (turn event v2) give facts of those
+    scopes; listing, search and chat requests filtered by an agent or run see only its facts,
+    never another scope's or another user's of the same agent; bad scope values are a 4xx."""
+    encoder, store = smol
+    user, other = (f"scope-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    memory = MemoryClient(served.url)
+
+    def said(turn_id: str, text: str, **scope) -> dict:
+        return {"conversation_id": "c1", "turn_id": turn_id, "speaker": "Ines", "text": text,
+                "timestamp": "2025-05-01T12:00:00Z", **scope}
+
+    accepted = memory.add_turns(user, [
+        said("t1", "My horse is called Biscuit."),
+        said("t2", "I teach chemistry in Porto."),
+        said("t3", "My sister Clara lives in Montreal.", agent_id="family", run_id="s1")],
+        agent_id="tutor")
+    assert accepted["accepted"] == ["t1", "t2", "t3"]
+    memory.add_turns(other, [said("t1", "My horse is called Thunder.")], agent_id="tutor")
+    drain = cfg.model_copy(update={"turns_topic": served.settings.turns_topic,
+                                   "consumer_group": f"scopes-{uuid.uuid4().hex[:6]}"})
+    await ingest_and_encode(drain, engine, embedder, [], encoder, store)
+
+    listed = memory.list_facts(user)["facts"]
+    scope_of = {f["turn_ids"][0]: (f["agent_id"], f["run_id"]) for f in listed}
+    assert scope_of == {"t1": ("tutor", None), "t2": ("tutor", None), "t3": ("family", "s1")}
+    ids = {f["turn_ids"][0]: f["id"] for f in listed}
+    tutor = {ids["t1"], ids["t2"]}
+    assert {f["id"] for f in memory.list_facts(user, agent_id="tutor")["facts"]} == tutor
+    assert [f["id"] for f in memory.list_facts(user, run_id="s1")["facts"]] == [ids["t3"]]
+    assert memory.list_facts(user, agent_id="family", run_id="nope")["facts"] == []
+    question = "What is the name of Ines's horse?"
+    assert {h["id"] for h in memory.search(user, question, k=5, agent_id="tutor")} == tutor
+    assert [h["id"] for h in memory.search(user, question, k=5, agent_id="family")] == [
+        ids["t3"]]
+    assert set(_served_ids(served.chat(user, question, k=5,
+                                       headers={"x-inferscale-agent-id": "tutor"}))) == tutor
+    family = served.chat(user, question, inferscale={"k": 5, "agent_id": "family", "run_id": "s1"})
+    assert _served_ids(family) == [ids["t3"]]
+    assert set(_served_ids(served.chat(user, question, k=5))) == set(ids.values())
+
+    base = f"{served.url}/v1/memory/users/{user}"
+    for response in [httpx.get(f"{base}/facts", params={"agent_id": ""}),
+                     httpx.get(f"{base}/facts", params={"run_id": "r" * 300}),
+                     httpx.post(f"{base}/search", json={"query": "horse", "agent_id": 5}),
+                     httpx.post(f"{base}/search", json={"query": "horse", "run_id": "a\0b"}),
+                     httpx.post(f"{base}/turns", json={"turns": [said("t9", "x")],
+                                                       "agent_id": ""}),
+                     served.chat(user, question, headers={"x-inferscale-run-id": "a" * 257})]:
+        assert 400 <= response.status_code < 500, (response.request.url, response.text)
+    assert memory.list_facts(user)["facts"] == listed
