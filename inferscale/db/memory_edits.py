@@ -44,6 +44,7 @@ class FactRecord:
     superseded_by: int | None
     token_count: int | None
     kv_encoded: bool
+    kv_location: str | None  # its durable blob (None: not encoded, or evicted)
     kv_bytes: int | None
     kv_evicted: bool
     model_fingerprint: str | None
@@ -51,8 +52,10 @@ class FactRecord:
     agent_id: str | None
     run_id: str | None
 
-    def as_json(self) -> dict[str, Any]:
-        """The record as the API returns it (timestamps in ISO 8601)."""
+    def as_json(self, memory_tiers: list[str] | None = None) -> dict[str, Any]:
+        """The record as the API returns it (timestamps in ISO 8601), with the tiers that
+        hold its KV: "durable", and the memory tiers of the server answering where known."""
+        tiers = (["durable"] if self.kv_location else []) + (memory_tiers or [])
         return {"id": self.id, "user_id": self.user_id, "text": self.text,
                 "conversation_id": self.conversation_id, "turn_ids": self.turn_ids,
                 "agent_id": self.agent_id, "run_id": self.run_id,
@@ -61,7 +64,7 @@ class FactRecord:
                 "deleted_at": self.deleted_at.isoformat() if self.deleted_at else None,
                 "superseded_by": self.superseded_by,
                 "kv": {"encoded": self.kv_encoded, "tokens": self.token_count,
-                       "bytes": self.kv_bytes, "evicted": self.kv_evicted,
+                       "bytes": self.kv_bytes, "evicted": self.kv_evicted, "tiers": tiers,
                        "model_fingerprint": self.model_fingerprint,
                        "encoded_at": self.encoded_at.isoformat() if self.encoded_at else None}}
 
@@ -69,7 +72,8 @@ class FactRecord:
 _COLUMNS = (facts.c.id, facts.c.user_id, facts.c.conversation_id, facts.c.text,
             facts.c.turn_ids, facts.c.extractor, facts.c.ts, facts.c.created_at,
             facts.c.deleted_at, facts.c.superseded_by, facts.c.token_count,
-            facts.c.kv_location.is_not(None).label("kv_encoded"), facts.c.kv_bytes,
+            facts.c.kv_location.is_not(None).label("kv_encoded"), facts.c.kv_location,
+            facts.c.kv_bytes,
             facts.c.kv_evicted_at.is_not(None).label("kv_evicted"),
             facts.c.model_fingerprint, facts.c.encoded_at, facts.c.agent_id, facts.c.run_id)
 

@@ -324,6 +324,13 @@ class KVStore:
                     self.hot.pop(variant)
         return held
 
+    def memory_tiers(self, locations: list[str]) -> list[list[str]]:
+        """For each location, the memory tiers ("host", "device") holding its blob or its
+        fact's lead blob."""
+        return [[tier.tier for tier in (self.host, self.hot) if tier is not None
+                 and any(variant in tier for variant in _with_leads([location]))]
+                for location in locations]
+
     def delete(self, locations: list[str]) -> int:
         """Remove blobs (and their facts' lead blobs) from every tier; returns how many durable
         blobs were removed."""

@@ -166,6 +166,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         """Drop blobs from this worker's memory tiers (a forget or an update elsewhere)."""
         return self.worker.purge(locations)
 
+    def memory_tiers(self, locations: list[str]) -> list[list[str]]:
+        """For each blob, this worker's memory tiers that hold it (the memory API's KV
+        status)."""
+        return self.worker.memory_tiers(locations)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
@@ -186,3 +191,9 @@ class InferScaleWorkerExtension:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         return get_kv_transfer_group().purge(list(locations))
+
+    def inferscale_tiers(self, locations: list[str]) -> list[list[str]]:
+        """For each blob, the connector's memory tiers that hold it in this worker."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group().memory_tiers(list(locations))

@@ -115,6 +115,10 @@ class ConnectorWorker:
         """Drop blobs from this worker's memory tiers (a forget or an update elsewhere)."""
         return self.store.evict(locations)
 
+    def memory_tiers(self, locations: list[str]) -> list[list[str]]:
+        """For each blob, this worker's memory tiers that hold it."""
+        return self.store.memory_tiers(locations)
+
     def fused_writer(self, layers: list[tuple[int, Any]]
                      ) -> FusedCpuWriter | FusedTritonWriter | None:
         """The fused writer for these layers, decided once: the first whose kernel applies and,

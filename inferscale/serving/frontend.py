@@ -52,6 +52,7 @@ CONTROL_PATHS = frozenset({
 PREFIX_RESET_TRIES = 50  # vLLM resets its prefix cache only between requests
 BODY_METHODS = ("POST", "PUT", "PATCH")
 PARSE_IN_THREAD_BYTES = 64 * 1024
+TIERS_TIMEOUT_S = 5.0
 
 
 async def _purge(app, locations: list[str]) -> tuple[int, bool]:
@@ -189,6 +190,20 @@ class MemoryFrontend:
             await publish_invalidation(bootstrap, self.settings.invalidation_topic, user_id,
                                        locations)
         return int(purged)
+
+    async def memory_tiers(self, locations: list[str]) -> list[list[str]] | None:
+        """For each blob, the memory tiers of this server's vLLM workers that hold it (None:
+        the workers did not answer within ``TIERS_TIMEOUT_S``)."""
+        if not locations:
+            return []
+        try:
+            per_worker = await asyncio.wait_for(self._app.state.engine_client.collective_rpc(
+                "inferscale_tiers", args=(locations,)), TIERS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a listing must not fail for want of tier status
+            log.warning("vLLM workers gave no tier status", exc_info=True)
+            return None
+        return [sorted({tier for worker in per_worker for tier in worker[i]})
+                for i in range(len(locations))]
 
     async def forget(self, user_id: str) -> dict:
         """Forget a user: rows (with a tombstone), durable blobs, this server's memory tiers and

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.scope import MAX_SCOPE_CHARS, SCOPE_PATTERN, Scope, ScopeValue
+from inferscale.db.memory_edits import FactRecord
 from inferscale.platform.settings import Settings
 from inferscale.serving.compose import MemoryRuntime
 from inferscale.serving.guards import FrontendError, authorize
@@ -57,6 +58,10 @@ class MemoryService(Protocol):
         ...
 
     async def forget(self, user_id: str) -> dict[str, Any]: ...
+
+    async def memory_tiers(self, locations: list[str]) -> list[list[str]] | None:
+        """For each blob, this server's memory tiers that hold it (None: not known now)."""
+        ...
 
 
 class FactText(BaseModel):
@@ -143,6 +148,12 @@ def build_router(service: MemoryService) -> APIRouter:
         async with rt.engine.begin() as conn:
             return await work(conn)
 
+    async def shown(records: list[FactRecord]) -> list[dict[str, Any]]:
+        """The records as JSON, each with the tiers holding its KV on this server."""
+        held = await service.memory_tiers([r.kv_location for r in records if r.kv_location])
+        tiers = iter(held or [])
+        return [r.as_json(next(tiers, None) if r.kv_location else None) for r in records]
+
     async def embed(text: str) -> list[float]:
         rt = await service.runtime()
         vector = (await asyncio.get_running_loop().run_in_executor(
@@ -161,7 +172,7 @@ def build_router(service: MemoryService) -> APIRouter:
         scope = Scope(agent_id, run_id)
         records = await in_transaction(
             lambda conn: read(conn, user_id, _after(cursor), limit, scope))
-        return {"facts": [r.as_json() for r in records],
+        return {"facts": await shown(records),
                 "next_cursor": _cursor(records[-1].id) if len(records) == limit else None}
 
     @router.get(API + "/users/{user_id}/facts/{fact_id}", summary="One live fact")
@@ -171,7 +182,7 @@ def build_router(service: MemoryService) -> APIRouter:
         record = await in_transaction(lambda conn: read(conn, user_id, fact_id))
         if record is None:
             raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
-        return dict(record.as_json())
+        return (await shown([record]))[0]
 
     @router.get(API + "/users/{user_id}/facts/{fact_id}/history", summary="Every version of a fact")
     async def history(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
@@ -181,7 +192,7 @@ def build_router(service: MemoryService) -> APIRouter:
         versions = await in_transaction(lambda conn: fact_history(conn, user_id, fact_id))
         if versions is None:
             raise HTTPException(404, f"{user_id!r} has no fact {fact_id}")
-        return {"versions": [r.as_json() for r in versions]}
+        return {"versions": await shown(versions)}
 
     @router.post(API + "/users/{user_id}/facts", status_code=201, summary="Add a fact (operators)")
     async def add_fact(user_id: Owner, body: NewFactBody, request: Request) -> dict[str, Any]:

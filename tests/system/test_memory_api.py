@@ -58,7 +58,9 @@ async def test_list_read_search_edit_delete_and_history(served, smol, cfg, engin
     assert hits[0]["id"] == horse["id"] and hits[0]["score"] >= hits[-1]["score"]
 
     question = "What is the name of Ines's horse?"
+    assert horse["kv"]["tiers"][0] == "durable"
     assert horse["id"] in _served_ids(served.chat(user, question, k=1))
+    assert memory.get_fact(user, horse["id"])["kv"]["tiers"] == ["durable", "host"]  # paged in
     edited = memory.edit_fact(user, horse["id"], "My horse is called Pickles; she is twelve.")
     assert edited["replaces"] == horse["id"] and not edited["kv"]["encoded"]
     after = served.chat(user, question, k=1)  # at once: the new version, as text
@@ -190,4 +192,5 @@ async def test_scopes_never_leak_across_agents_runs_or_users(served, smol, cfg, 
                                                        "agent_id": ""}),
                      served.chat(user, question, headers={"x-inferscale-run-id": "a" * 257})]:
         assert 400 <= response.status_code < 500, (response.request.url, response.text)
-    assert memory.list_facts(user)["facts"] == listed
+    assert [(f["id"], f["text"]) for f in memory.list_facts(user)["facts"]] == [
+        (f["id"], f["text"]) for f in listed]  # the chats paged KV in: tiers moved, not facts

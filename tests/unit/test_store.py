@@ -95,7 +95,9 @@ def test_a_lead_blob_lives_and_dies_with_its_fact(tmp_path):
     assert sorted(store.fact_blobs()) == sorted([(9, fact.location), (9, lead.location),
                                                  (19, other.location)])
     store.get(lead.location)
+    assert store.memory_tiers([fact.location, other.location]) == [["host"], []]  # by its lead
     assert store.evict([fact.location]) == 1  # the fact counts once, whichever blob was held
+    assert store.memory_tiers([fact.location]) == [[]]
     assert lead.location not in store.host
     store.get(lead.location)
     assert store.delete([fact.location, other.location]) == 3
