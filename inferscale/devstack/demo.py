@@ -3,7 +3,9 @@
 Starts the embedded broker and Postgres, prepares SmolLM2, runs a worker process and the vLLM
 server with InferScale, publishes the shipped sample conversation to Kafka, waits until its
 memory is encoded, then asks questions through the OpenAI API with memory injected as KV and,
-side by side, with the same facts prefilled as text.
+side by side, with the same facts prefilled as text. Last, it corrects the fact behind the first
+answer through the memory API (``inferscale.client``) and asks again: at once the new version
+is served (as text), then, once the worker has encoded it, injected as KV.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from inferscale.pipeline.sources import read_turns
 from inferscale.platform.settings import Settings
 
 SAMPLE = Path(__file__).parent.parent / "data" / "sample_conversation.json"
+CORRECTION = "Captain Inky"  # what the demo's edit puts in place of the first gold answer
+ENCODE_WAIT_S = 120.0
 
 
 def say(message: str) -> None:
@@ -64,6 +68,42 @@ async def _ask(url: str, user: str, qa: list[dict], k: int) -> list[dict]:
     return rows
 
 
+async def _edit(url: str, user: str, item: dict, k: int) -> None:
+    """Edit the fact holding the first question's gold answer, then ask again: once right after
+    the edit (its new version served as text), once after the worker encoded it (as KV)."""
+    from inferscale.client import AsyncMemoryClient
+
+    gold = str(item["answer"])
+    async with AsyncMemoryClient(url) as memory, httpx.AsyncClient(timeout=300) as client:
+        hits = await memory.search(user, item["question"], k=5)
+        fact = next((h for h in hits if gold.lower() in h["text"].lower()), None)
+        if fact is None:
+            say(f"no fact of the top 5 holds {gold!r}: no edit to show")
+            return
+        start = fact["text"].lower().index(gold.lower())
+        text = fact["text"][:start] + CORRECTION + fact["text"][start + len(gold):]
+        new = await memory.edit_fact(user, fact["id"], text)
+        say(f"edited fact {fact['id']} through the memory API: it is now fact {new['id']}, "
+            f"{text!r}")
+        began = time.monotonic()
+        for stage in ("served as text until encoded", "injected as KV, no tail recompute"):
+            options = None
+            if stage.startswith("injected"):
+                options = {"recompute": 0}  # every fact as KV, the edited one too
+                while not (await memory.get_fact(user, new["id"]))["kv"]["encoded"]:
+                    if time.monotonic() - began > ENCODE_WAIT_S:
+                        say(f"the new version was not encoded within {ENCODE_WAIT_S:.0f}s")
+                        return
+                    await asyncio.sleep(0.2)
+            answer = await stream_chat(client, url, user, item["question"], "inject", k, 40,
+                                       options=options)
+            used = answer.headers.get("x-inferscale-fact-ids", "").split(",")
+            print(f"\nQ: {item['question']}   (after the edit; {stage}; old fact served: "
+                  f"{str(fact['id']) in used}, new fact served: {str(new['id']) in used}, "
+                  f"{answer.headers.get('x-inferscale-facts-injected')} facts injected)\n"
+                  f"   inject: {answer.text.strip()}", flush=True)
+
+
 def run_demo(settings: Settings, sample: Path = SAMPLE, keep: bool = False, k: int = 10) -> None:
     """Run the whole pipeline once and print answers and TTFT, inject vs text."""
     started = time.monotonic()
@@ -88,6 +128,8 @@ def run_demo(settings: Settings, sample: Path = SAMPLE, keep: bool = False, k: i
                     f"{local.recompute_tail} prefilled after it: tail recompute) vs the same "
                     "facts prefilled as text")
                 rows = asyncio.run(_ask(url, user, qa, k))
+                if qa:
+                    asyncio.run(_edit(url, user, qa[0], k))
         ttft_i = sorted(r["inject"].ttft for r in rows)[len(rows) // 2]
         ttft_t = sorted(r["text"].ttft for r in rows)[len(rows) // 2]
         hits = {mode: sum(r["gold"].lower() in r[mode].text.lower() for r in rows)

@@ -48,6 +48,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.lab.bench import retrieval_latency as retrieval
 
         retrieval.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
+    elif args.which == "memory-api":
+        from inferscale.lab.bench import memory_api
+
+        memory_api.run(settings, data, out, repeats=args.n)
     elif args.which == "pagein":
         from inferscale.lab.bench import pagein
 
@@ -122,7 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
                                             "load", "extract", "retrieval",
-                                            "pagein", "inject", "cost"])
+                                            "pagein", "inject", "cost", "memory-api"])
     p.add_argument("--data", default=str(SAMPLE),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")

@@ -53,7 +53,7 @@ def _timed(fn, inputs) -> list[float]:
     return samples
 
 
-async def _store(engine, users: list[str], n: int, rng: np.random.Generator,
+async def store_encoded_facts(engine, users: list[str], n: int, rng: np.random.Generator,
                  fingerprint: str) -> np.ndarray:
     """n random unit vectors per user as facts "fact <i> ..." encoded for the model with this
     fingerprint; the first user's vectors."""
@@ -144,7 +144,7 @@ async def _run(settings: Settings, questions: list[str], ks: tuple[int, ...]) ->
     try:
         for n, owners in SCENARIOS:
             users = [f"bench-retrieval-{uuid.uuid4().hex[:8]}" for _ in range(owners)]
-            facts_of_first = await _store(engine, users, n, rng, rt.fingerprint)
+            facts_of_first = await store_encoded_facts(engine, users, n, rng, rt.fingerprint)
             index = rt.index
             new = rng.standard_normal(384).astype(np.float32)
             new /= np.linalg.norm(new)

@@ -1,0 +1,205 @@
+"""Tail recompute where the answer is at stake (``"recompute": "auto"``).
+
+A request is answered first with every fact injected (m = 0). Its response is held back until
+the first generated token is known with its top-2 logprob margin (the front end asks vLLM for
+two top logprobs). Where the margin reaches the threshold, the held response is released and
+the rest streams through; otherwise the attempt is abandoned before the client has seen a byte
+of it (its receive reports a disconnect and its sends fail, so vLLM aborts it) and the request
+is answered again with the best m facts prefilled after the injected ones. On 529 LoCoMo dev
+questions every first token m = 0 got wrong had a margin of at most 1 nat, and a threshold of
+0.5 recomputes ~22% of requests for the agreement of recomputing all of them
+(``docs/results/fidelity.md``).
+
+Logprobs the client did not ask for are removed from what it receives (to the count it asked
+for where it asked for fewer). Pure logic over ASGI messages: the front end wires it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Decision = Literal["kept", "recomputed"]
+PROBE_TOP_LOGPROBS = 2
+
+
+@dataclass(frozen=True)
+class AutoRecompute:
+    """How one request is answered under ``"recompute": "auto"``."""
+
+    threshold: float  # nats: a first-token top-2 margin below it recomputes the tail
+    client_top_logprobs: int | None  # what the client asked for (None: no logprobs)
+    tail: int  # facts recomputed by the second attempt
+
+
+def client_top_logprobs(data: dict[str, Any]) -> int | None:
+    """The top logprobs the client asked for (None: none at all)."""
+    if not data.get("logprobs"):
+        return None
+    top = data.get("top_logprobs")
+    return top if isinstance(top, int) and top >= 0 else 0
+
+
+def ask_for_margin(data: dict[str, Any]) -> None:
+    """Make the request return the logprobs the decision needs (in place)."""
+    data["logprobs"] = True
+    data["top_logprobs"] = max(client_top_logprobs(data) or 0, PROBE_TOP_LOGPROBS)
+
+
+def first_margin(payload: dict[str, Any]) -> float | None:
+    """The top-2 logprob margin of the first generated token in a chat completion or chunk
+    (None: it holds no generated token yet). One candidate only: an infinite margin."""
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    logprobs = choices[0].get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or not content or not isinstance(content[0], dict):
+        return None
+    top = content[0].get("top_logprobs")
+    values = sorted((float(t["logprob"]) for t in top if isinstance(t, dict)
+                     and isinstance(t.get("logprob"), int | float)), reverse=True) \
+        if isinstance(top, list) else []
+    if not values:
+        return None
+    return values[0] - values[1] if len(values) > 1 else float("inf")
+
+
+def strip_logprobs(payload: dict[str, Any], keep: int | None) -> dict[str, Any]:
+    """``payload`` with the logprobs the client did not ask for removed (in place)."""
+    for choice in payload.get("choices") or []:
+        if not isinstance(choice, dict) or "logprobs" not in choice:
+            continue
+        if keep is None:
+            choice["logprobs"] = None
+            continue
+        content = (choice["logprobs"] or {}).get("content") or []
+        for entry in content:
+            if isinstance(entry, dict) and isinstance(entry.get("top_logprobs"), list):
+                entry["top_logprobs"] = entry["top_logprobs"][:keep]
+    return payload
+
+
+def _event_payload(event: bytes) -> dict[str, Any] | None:
+    """The JSON object of one server-sent event ``data: {...}`` (None: any other event)."""
+    line = event.strip()
+    if not line.startswith(b"data: {"):
+        return None
+    try:
+        payload = json.loads(line[len(b"data: "):])
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+class FirstTokenGate:
+    """The ``send`` of the m = 0 attempt: holds the response until the first token's margin
+    decides (``decision``); then releases it through ``send`` (with ``headers`` added), or
+    drops it and fails every later send (the attempt is abandoned)."""
+
+    def __init__(self, auto: AutoRecompute, send: Send,
+                 headers: Callable[[Decision, float | None], dict[str, str]]):
+        self.auto = auto
+        self.decision: Decision | None = None
+        self.margin: float | None = None
+        self._send = send
+        self._headers = headers
+        self._start: dict[str, Any] | None = None
+        self._streaming = False
+        self._held = b""  # body bytes not yet released (whole events, then a partial one)
+        self._passing = False  # an error response: passed through untouched
+
+    @property
+    def abandoned(self) -> bool:
+        return self.decision == "recomputed"
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if self.abandoned:
+            raise OSError("attempt abandoned for a tail recompute")  # Starlette: a disconnect
+        if message["type"] == "http.response.start":
+            self._start = message
+            self._passing = message["status"] >= 400
+            content_type = dict(message.get("headers") or []).get(b"content-type", b"")
+            self._streaming = content_type.startswith(b"text/event-stream")
+            if self._passing:
+                await self._send(message)
+            return
+        if message["type"] != "http.response.body" or self._passing:
+            return await self._send(message)
+        self._held += message.get("body", b"")
+        more = message.get("more_body", False)
+        if self.decision is None:
+            self._decide(final=not more)
+            if self.decision is None:
+                return
+            if self.abandoned:
+                raise OSError("attempt abandoned for a tail recompute")
+            await self._release_start()
+        await self._release(final=not more)
+
+    def _decide(self, final: bool) -> None:
+        """Look for the first token in what is held; at the end without one: keep."""
+        if self._streaming:
+            for event in self._held.split(b"\n\n")[:-1]:  # complete events only
+                payload = _event_payload(event)
+                if payload is not None and (margin := first_margin(payload)) is not None:
+                    return self._settle(margin)
+        elif final:
+            try:
+                payload = json.loads(self._held)
+            except ValueError:
+                payload = None
+            if isinstance(payload, dict) and (margin := first_margin(payload)) is not None:
+                return self._settle(margin)
+        if final:
+            self.decision = "kept"
+
+    def _settle(self, margin: float) -> None:
+        self.margin = margin
+        self.decision = "kept" if margin >= self.auto.threshold else "recomputed"
+
+    async def _release_start(self) -> None:
+        assert self._start is not None  # a body comes after its start
+        extra = self._headers("kept", self.margin)
+        headers = [(k, v) for k, v in self._start.get("headers") or []
+                   if k.lower() != b"content-length" or self._streaming]
+        headers += [(k.encode(), v.encode()) for k, v in extra.items()]
+        if not self._streaming:
+            headers.append((b"content-length", str(len(self._stripped_body())).encode()))
+        await self._send({**self._start, "headers": headers})
+
+    def _stripped_body(self) -> bytes:
+        try:
+            payload = json.loads(self._held)
+        except ValueError:
+            return self._held
+        if not isinstance(payload, dict):
+            return self._held
+        return json.dumps(strip_logprobs(payload, self.auto.client_top_logprobs)).encode()
+
+    async def _release(self, final: bool) -> None:
+        """Send what is held: the whole body once complete (non-streaming), else every
+        complete event, stripped."""
+        if not self._streaming:
+            if final:
+                body, self._held = self._stripped_body(), b""
+                await self._send({"type": "http.response.body", "body": body,
+                                  "more_body": False})
+            return
+        *events, self._held = self._held.split(b"\n\n")
+        if final and self._held:
+            events.append(self._held)
+            self._held = b""
+        out = []
+        for event in events:
+            payload = _event_payload(event)
+            if payload is not None:
+                stripped = strip_logprobs(payload, self.auto.client_top_logprobs)
+                event = b"data: " + json.dumps(stripped).encode()
+            out.append(event + b"\n\n")
+        if out or final:
+            await self._send({"type": "http.response.body", "body": b"".join(out),
+                              "more_body": not final})
