@@ -86,10 +86,13 @@ def max_logprob_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> fl
                default=math.inf)
 
 
-def metric(server, name: str) -> float:
-    """A running server's Prometheus metric, summed over its label sets."""
+def metric(server, name: str, **labels: str) -> float:
+    """A running server's Prometheus metric, summed over its label sets (those with every one
+    of ``labels``)."""
     import httpx
 
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+               if line.startswith(name) and not line.startswith("#")
+               and all(label in line for label in wanted))

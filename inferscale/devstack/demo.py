@@ -24,6 +24,7 @@ from inferscale.devstack.stack import prepare, server_process, wait_encoded, wor
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
 from inferscale.pipeline.sources import read_turns
 from inferscale.platform.settings import Settings
+from inferscale.serving.request_options import default_recompute
 
 SAMPLE = Path(__file__).parent.parent / "data" / "sample_conversation.json"
 CORRECTION = "Captain Inky"  # what the demo's edit puts in place of the first gold answer
@@ -124,9 +125,9 @@ def run_demo(settings: Settings, sample: Path = SAMPLE, keep: bool = False, k: i
             with server_process(local, out / "server.log") as url:
                 say("server ready; waiting until every fact has its KV")
                 asyncio.run(_wait(local, user, len(turns)))
-                say(f"asking {len(qa)} questions with k={k}: memory injected as KV (the best "
-                    f"{local.recompute_tail} prefilled after it: tail recompute) vs the same "
-                    "facts prefilled as text")
+                say(f"asking {len(qa)} questions with k={k}: memory injected as KV (tail "
+                    f"recompute: {default_recompute(local)}) vs the same facts prefilled as "
+                    "text")
                 rows = asyncio.run(_ask(url, user, qa, k))
                 if qa:
                     asyncio.run(_edit(url, user, qa[0], k))

@@ -29,7 +29,7 @@ from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
-from inferscale.lab.bench.common import print_table, write_report
+from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.lab.fidelity import compare
 from inferscale.lab.scoring import exact_match, locomo_f1
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
@@ -48,7 +48,7 @@ class Config:
     mode: str
     k: int = 0
     w: int | None = None
-    recompute: int = 0
+    recompute: int | str = 0  # or "auto"
     order: str = "relevance"
     oracle: bool = False  # KV encoded with exactly its serving prefix (a diagnostic)
     context: str = "turns"
@@ -82,7 +82,7 @@ class Config:
         return Config("text", self.k, self.w, order=self.order, context=self.context)
 
 
-def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[int],
+def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[int | str],
             order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
             key_scales: tuple[float | None, ...] = (None,)) -> list[Config]:
     """none, then per k: text per encoding (its own user), inject per encoding, recompute
@@ -96,9 +96,14 @@ def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[in
                 out.append(Config("inject", k, w, 0, order, oracle=True, context=context))
             out += [Config("inject", k, w, m, order, context=context, lead=lead,
                            key_scales=scaled)
-                    for m in sorted({min(m, k) for m in recomputes})  # m > k: all k as text
-                    for lead in leads for scaled in key_scales]
+                    for m in _tails(recomputes, k) for lead in leads for scaled in key_scales]
     return out
+
+
+def _tails(recomputes: list[int | str], k: int) -> list[int | str]:
+    """The recomputes asked for at this k: counts (m > k: all k as text), then auto."""
+    counts = sorted({min(m, k) for m in recomputes if isinstance(m, int)})
+    return [*counts, *(["auto"] if "auto" in recomputes else [])]
 
 
 def _ingest(settings: Settings, samples: list[dict], encoding: tuple[str, int], out_dir: Path,
@@ -144,7 +149,8 @@ async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, 
                                                              {"key_scales": config.key_scales})},
                             top_logprobs=TOP_LOGPROBS)
     return {"prediction": got.text, "token_ids": got.token_ids, "first_top": got.first_top,
-            "ttft_s": got.ttft, "fact_ids": got.headers.get("x-inferscale-fact-ids", "")}
+            "ttft_s": got.ttft, "fact_ids": got.headers.get("x-inferscale-fact-ids", ""),
+            "recompute_auto": got.headers.get("x-inferscale-recompute-auto")}
 
 
 class _Oracle:
@@ -234,8 +240,22 @@ def summarize(records: list[dict], plan: list[Config]) -> dict:
                 for r, t in zip(rows, reference, strict=True))
             entry["ttft_ratio_text_over_this"] = (
                 summary[config.reference().name]["ttft_p50_s"] / entry["ttft_p50_s"])
+        if config.recompute == "auto":
+            entry["auto"] = _auto_costs(rows)
         summary[config.name] = entry
     return summary
+
+
+def _auto_costs(rows: list[dict]) -> dict:
+    """Under recompute auto: the share of requests answered again with the tail recomputed,
+    and the TTFT of those kept and of those recomputed (p50 / p99)."""
+    out: dict = {"recomputed_share": statistics.mean(
+        r.get("recompute_auto") == "recomputed" for r in rows)}
+    for decision in ("kept", "recomputed"):
+        ttfts = [r["ttft_s"] for r in rows if r.get("recompute_auto") == decision]
+        out[f"ttft_{decision}_p50_s"] = statistics.median(ttfts) if ttfts else None
+        out[f"ttft_{decision}_p99_s"] = percentile(ttfts, 99)
+    return out
 
 
 def _print(summary: dict) -> None:
@@ -260,7 +280,7 @@ def pick_questions(samples: list[dict], questions: int, seed: int) -> list[dict]
 
 def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int, ...] = (0,),
         questions: int = 100, ks: tuple[int, ...] = (20,), windows: tuple[int, ...] = (5,),
-        contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int, ...] = (0,),
+        contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int | str, ...] = (0,),
         order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
         max_tokens: int = 32, max_turns: int | None = None, seed: int = 0,
         key_scales: tuple[float | None, ...] = (None,)) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from inferscale.devstack.demo import SAMPLE
 from inferscale.platform.settings import Settings
-from inferscale.serving.request_options import STRENGTH
+from inferscale.serving.request_options import STRENGTH, default_recompute
 
 
 def _bench(args: argparse.Namespace, settings: Settings) -> int:
@@ -91,12 +91,22 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
                  conversations=tuple(args.conversations),
                  questions=args.questions, ks=tuple(args.k), windows=tuple(windows),
                  contexts=tuple(args.context or [settings.encode_context]),
-                 recomputes=tuple(args.recompute or [settings.recompute_tail]),
+                 recomputes=tuple(args.recompute or [default_recompute(settings)]),
                  order=args.order, oracle=args.oracle,
                  leads=tuple(choice == "on" for choice in args.lead),
                  max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed,
                  key_scales=tuple(args.key_scales))
     return 0
+
+
+def _recompute_choice(raw: str) -> int | str:
+    """``--recompute`` values: a count of facts, or auto."""
+    if raw == "auto":
+        return raw
+    try:
+        return int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or auto, got {raw!r}") from None
 
 
 def _key_scales_choice(raw: str) -> float | None:
@@ -161,9 +171,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", choices=["turns", "neighbours"], nargs="+",
                    help="encoding contexts: preceding turns, or most similar earlier facts "
                         "(default: INFERSCALE_ENCODE_CONTEXT)")
-    p.add_argument("--recompute", type=int, nargs="+",
-                   help="tail recompute: best m facts prefilled after the injected ones "
-                        "(default: INFERSCALE_RECOMPUTE_TAIL)")
+    p.add_argument("--recompute", type=_recompute_choice, nargs="+",
+                   help="tail recompute: best m facts prefilled after the injected ones, or "
+                        "auto (default: the server's, INFERSCALE_RECOMPUTE_TAIL)")
     p.add_argument("--lead", choices=["on", "off"], nargs="+", default=["on"],
                    help="inject with and/or without the lead encoding for the first fact served")
     p.add_argument("--key-scales", type=_key_scales_choice, nargs="+", default=[None],

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, field_validator
@@ -196,9 +196,14 @@ class Settings(BaseSettings):
     top_k: int = 5  # facts retrieved per request (a request's "k" overrides it)
     memory_mode: str = "inject"  # inject (KV), text (prefill the facts) or none
     # Tail recompute: the best this-many retrieved facts (they sit last, next to the question)
-    # are prefilled as text after the injected ones, so they see the injected memory. 2 is what
-    # meets the fidelity goal on 529 held-out LoCoMo questions (docs/results/fidelity.md).
-    recompute_tail: int = Field(default=2, ge=0)
+    # are prefilled as text after the injected ones, so they see the injected memory; "auto":
+    # only where the first token of an answer with every fact injected is unsure (its top-2
+    # logprob margin under recompute_auto_margin), then recompute_auto_tail facts. None: auto
+    # where the server has no GPU (prefilling the tail costs more there than everything else),
+    # recompute_auto_tail facts on every request on a GPU (docs/results/fidelity.md).
+    recompute_tail: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
+    recompute_auto_margin: float = Field(default=0.5, ge=0, allow_inf_nan=False)  # nats
+    recompute_auto_tail: int = Field(default=2, ge=0)
     # Order of the retrieved facts in the prompt: "relevance" (best last, as the paper does) or
     # "time" (the order they were stored in: a user's conversation order).
     fact_order: Literal["relevance", "time"] = "relevance"

@@ -4,11 +4,11 @@ A request is answered first with every fact injected (m = 0). Its response is he
 the first generated token is known with its top-2 logprob margin (the front end asks vLLM for
 two top logprobs). Where the margin reaches the threshold, the held response is released and
 the rest streams through; otherwise the attempt is abandoned before the client has seen a byte
-of it (its receive reports a disconnect and its sends fail, so vLLM aborts it) and the request
-is answered again with the best m facts prefilled after the injected ones. On 529 LoCoMo dev
-questions every first token m = 0 got wrong had a margin of at most 1 nat, and a threshold of
-0.5 recomputes ~22% of requests for the agreement of recomputing all of them
-(``docs/results/fidelity.md``).
+of it (its later sends are dropped and its receive reports a disconnect, on which Starlette
+cancels the stream and vLLM aborts the request) and the request is answered again with the
+best m facts prefilled after the injected ones. On 529 LoCoMo dev questions every first token
+m = 0 got wrong had a margin of at most 1 nat, and a threshold of 0.5 recomputes ~22% of
+requests for the agreement of recomputing all of them (``docs/results/fidelity.md``).
 
 Logprobs the client did not ask for are removed from what it receives (to the count it asked
 for where it asked for fewer). Pure logic over ASGI messages: the front end wires it.
@@ -98,7 +98,7 @@ def _event_payload(event: bytes) -> dict[str, Any] | None:
 class FirstTokenGate:
     """The ``send`` of the m = 0 attempt: holds the response until the first token's margin
     decides (``decision``); then releases it through ``send`` (with ``headers`` added), or
-    drops it and fails every later send (the attempt is abandoned)."""
+    drops it and every later message (the attempt is ``abandoned``)."""
 
     def __init__(self, auto: AutoRecompute, send: Send,
                  headers: Callable[[Decision, float | None], dict[str, str]]):
@@ -118,7 +118,7 @@ class FirstTokenGate:
 
     async def __call__(self, message: dict[str, Any]) -> None:
         if self.abandoned:
-            raise OSError("attempt abandoned for a tail recompute")  # Starlette: a disconnect
+            return
         if message["type"] == "http.response.start":
             self._start = message
             self._passing = message["status"] >= 400
@@ -133,10 +133,8 @@ class FirstTokenGate:
         more = message.get("more_body", False)
         if self.decision is None:
             self._decide(final=not more)
-            if self.decision is None:
+            if self.decision is None or self.abandoned:
                 return
-            if self.abandoned:
-                raise OSError("attempt abandoned for a tail recompute")
             await self._release_start()
         await self._release(final=not more)
 

@@ -138,6 +138,8 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
         facts.sort(key=lambda f: f.id)
     else:
         facts.reverse()
+    if not isinstance(options.recompute, int):
+        raise ValueError("the front end decides an auto recompute before composing")
     head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
     injectable = [f for f in head if f.kv_location and f.token_ids
                   and f.model_fingerprint == rt.fingerprint]

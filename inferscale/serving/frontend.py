@@ -19,10 +19,19 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from inferscale.contracts.plan import PLAN_KEY, sign
 from inferscale.platform.settings import get_settings
+from inferscale.serving.auto_recompute import (
+    AutoRecompute,
+    Decision,
+    FirstTokenGate,
+    ask_for_margin,
+    client_top_logprobs,
+)
 from inferscale.serving.compose import MemoryRuntime, chat_messages, compose
 from inferscale.serving.guards import (
     FrontendError,
@@ -36,7 +45,7 @@ from inferscale.serving.guards import (
 from inferscale.serving.memory_api import build_router
 from inferscale.serving.metrics import FRONTEND_METRICS as M
 from inferscale.serving.metrics import KV_METRICS
-from inferscale.serving.request_options import owner_and_options
+from inferscale.serving.request_options import MemoryOptions, owner_and_options
 
 log = logging.getLogger("inferscale.serving.frontend")
 
@@ -111,33 +120,63 @@ class MemoryFrontend:
             body = await read_body(receive, headers, self.settings.max_body_bytes)
             if scope["path"] == FORGET_PATH:
                 return await _json(send, 200, await self._forget(body, headers))
-            body, extra_headers = await self._rewrite(scope["path"], body, headers)
+            rewritten = await self._rewrite(scope["path"], body, headers)
         except FrontendError as exc:
             return await _error(send, exc.status, exc.message)
         except Exception as exc:  # noqa: BLE001 - e.g. the database is down: say so, live on
             log.exception("memory front end failed")
             return await _error(send, 503, f"memory unavailable: {type(exc).__name__}")
+        client = _Downstream(receive)
+        try:
+            if rewritten.auto is None:
+                return await self.app(_with_length(scope, rewritten.body),
+                                      client.receiver(rewritten.body),
+                                      _adding(send, rewritten.headers))
+            await self._answer_auto(scope, client, send, rewritten)
+        finally:
+            client.close()
 
-        delivered = False
+    async def _answer_auto(self, scope, client: _Downstream, send, rewritten: _Rewritten):
+        """``"recompute": "auto"``: the m = 0 attempt behind a ``FirstTokenGate``; where the
+        gate abandons it, the request answered again with the tail recomputed."""
+        auto = rewritten.auto
+        assert auto is not None and rewritten.retry is not None
+        abort = asyncio.Event()
 
-        async def replay():
-            nonlocal delivered
-            if delivered:  # after the body, the app only listens for the disconnect
-                return await receive()
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        def kept_headers(decision: Decision, margin: float | None) -> dict[str, str]:
+            return {**rewritten.headers, "x-inferscale-recompute-auto": decision,
+                    **({"x-inferscale-first-margin": f"{margin:.3f}"} if margin is not None
+                       else {})}
 
-        async def send_with_headers(message):
-            if message["type"] == "http.response.start" and extra_headers and (
-                    message["status"] < 400):  # a refused request says nothing of memory
-                message = {**message, "headers": list(message.get("headers", []))
-                           + [(k.encode(), v.encode()) for k, v in extra_headers.items()]}
-            await send(message)
+        gate = FirstTokenGate(auto, _adding(send, {}), kept_headers)
 
-        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
-                                      if k.lower() != b"content-length"]
-                 + [(b"content-length", str(len(body)).encode())]}
-        await self.app(scope, replay, send_with_headers)
+        async def attempt_send(message):
+            await gate(message)
+            if gate.abandoned:
+                abort.set()  # Starlette's disconnect listener (ASGI < 2.4) cancels the stream
+
+        # Spec 2.3: Starlette also listens for the disconnect, which ``abort`` delivers.
+        first = {**_with_length(scope, rewritten.body),
+                 "asgi": {**scope.get("asgi", {}), "spec_version": "2.3"}}
+        try:
+            await self.app(first, client.receiver(rewritten.body, abort), attempt_send)
+        except Exception:
+            if not gate.abandoned:
+                raise
+        if gate.decision is not None:
+            M.auto_recompute.labels(gate.decision).inc()
+        if not gate.abandoned:
+            return
+        try:
+            body, headers = await rewritten.retry()
+        except FrontendError as exc:
+            return await _error(send, exc.status, exc.message)
+        except Exception as exc:  # noqa: BLE001 - as for the first attempt
+            log.exception("memory front end failed composing a tail recompute")
+            return await _error(send, 503, f"memory unavailable: {type(exc).__name__}")
+        headers = {**headers, "x-inferscale-recompute-auto": "recomputed",
+                   "x-inferscale-first-margin": f"{gate.margin:.3f}"}
+        await self.app(_with_length(scope, body), client.receiver(body), _adding(send, headers))
 
     def _bootstrap(self) -> str | None:
         from inferscale.devstack.infra import InfraError, resolve_kafka_bootstrap
@@ -222,24 +261,48 @@ class MemoryFrontend:
                 "blobs_deleted": forgotten.blobs, "purged_from_memory": purged,
                 "prefix_cache_reset": reset}
 
-    async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]
-                       ) -> tuple[bytes, dict[str, str]]:
+    async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]) -> _Rewritten:
         content_type = headers.get("content-type", "")
         if content_type.startswith(("multipart/", "application/x-www-form-urlencoded")):
             refuse_reserved_form_fields(body)
-            return body, {}
+            return _Rewritten(body)
         if not body.strip():
-            return body, {}
+            return _Rewritten(body)
         data = (await asyncio.to_thread(parse_request, body)
                 if len(body) > PARSE_IN_THREAD_BYTES else parse_request(body))
         if path != CHAT_PATH or not isinstance(data, dict):
-            return body, {}
+            return _Rewritten(body)
         owner, options = owner_and_options(data, headers, self.settings)
         if owner is None:
-            return json.dumps(data).encode(), {}
+            return _Rewritten(json.dumps(data).encode())
         authorize(self.settings, headers, owner)
         messages, query = chat_messages(data)
         rt = await self._rt()
+        if options.recompute != "auto":
+            return _Rewritten(*await self._memory_body(rt, data, owner, options, messages, query))
+        tail = self.settings.recompute_auto_tail
+        recomputed = options.model_copy(update={"recompute": tail})
+        if options.mode != "inject" or data.get("n") not in (None, 1) or tail == 0:
+            return _Rewritten(*await self._memory_body(rt, data, owner, recomputed, messages,
+                                                       query))
+        auto = AutoRecompute(options.recompute_margin, client_top_logprobs(data), tail)
+        original = dict(data)
+
+        async def retry() -> tuple[bytes, dict[str, str]]:
+            return await self._memory_body(rt, dict(original), owner, recomputed, messages,
+                                           query)
+
+        ask_for_margin(data)
+        body, extra = await self._memory_body(
+            rt, data, owner, options.model_copy(update={"recompute": 0}), messages, query)
+        return _Rewritten(body, extra, auto, retry)
+
+    async def _memory_body(self, rt: MemoryRuntime, data: dict, owner: str,
+                           options: MemoryOptions, messages: list[dict], query: str
+                           ) -> tuple[bytes, dict[str, str]]:
+        """The request as vLLM receives it: the composed prompt's token ids, the signed plan
+        and the owner's cache salt (``data`` is changed in place); and the response headers
+        that account for it."""
         prompt = await compose(rt, owner, options, messages, query)
         started = time.perf_counter()
         params: dict = {"prompt_token_ids": prompt.token_ids}
@@ -264,6 +327,7 @@ class MemoryFrontend:
         KV_METRICS.stage_seconds.labels("sign").observe(time.perf_counter() - started)
         return body, {
             "x-inferscale-mode": options.mode,
+            "x-inferscale-recompute": str(options.recompute),
             "x-inferscale-facts": str(prompt.facts_injected + prompt.facts_text),
             "x-inferscale-facts-injected": str(prompt.facts_injected),
             "x-inferscale-fact-ids": ",".join(map(str, prompt.fact_ids)),
@@ -272,6 +336,83 @@ class MemoryFrontend:
             "x-inferscale-prefilled-tokens": str(len(prompt.token_ids) - prompt.injected_tokens),
             "x-inferscale-retrieval-ms": f"{prompt.retrieval_ms:.1f}",
         }
+
+
+@dataclass(frozen=True)
+class _Rewritten:
+    """A request as vLLM receives it, the headers its response gets and, under recompute
+    auto, how to compose it again with the tail recomputed."""
+
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    auto: AutoRecompute | None = None
+    retry: Callable[[], Awaitable[tuple[bytes, dict[str, str]]]] | None = None
+
+
+_DISCONNECT = {"type": "http.disconnect"}
+
+
+class _Downstream:
+    """The client's side of one connection, shared by a request's attempts: each attempt reads
+    its (rewritten) body once, then waits for the client to disconnect or, where it is
+    abandoned, for its ``abort``."""
+
+    def __init__(self, receive):
+        self._receive = receive
+        self._pending: asyncio.Future | None = None  # a read of the client, kept across attempts
+        self._gone = False
+
+    def receiver(self, body: bytes, abort: asyncio.Event | None = None):
+        delivered = False
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await self._next(abort)
+
+        return receive
+
+    async def _next(self, abort: asyncio.Event | None) -> dict:
+        if self._gone:
+            return _DISCONNECT
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._receive())
+        aborted = asyncio.ensure_future(abort.wait()) if abort is not None else None
+        try:
+            await asyncio.wait([f for f in (self._pending, aborted) if f is not None],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if aborted is not None:
+                aborted.cancel()
+        if not self._pending.done():
+            return _DISCONNECT  # aborted: the client's next message waits for the next attempt
+        message, self._pending = self._pending.result(), None
+        self._gone = message["type"] == "http.disconnect"
+        return message
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+
+def _with_length(scope: dict, body: bytes) -> dict:
+    return {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                 if k.lower() != b"content-length"]
+            + [(b"content-length", str(len(body)).encode())]}
+
+
+def _adding(send, headers: dict[str, str]):
+    """``send`` with ``headers`` added to a successful response's start (a refused request
+    says nothing of memory)."""
+    async def send_with_headers(message):
+        if message["type"] == "http.response.start" and headers and message["status"] < 400:
+            message = {**message, "headers": list(message.get("headers", []))
+                       + [(k.encode(), v.encode()) for k, v in headers.items()]}
+        await send(message)
+
+    return send_with_headers
 
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error",

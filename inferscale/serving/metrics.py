@@ -55,6 +55,7 @@ class _FrontendMetrics:
     retrieval_seconds: Histogram
     reencodes_wanted: Counter
     purged_blobs: Counter
+    auto_recompute: Counter
 
 
 FRONTEND_METRICS = _FrontendMetrics(
@@ -69,4 +70,7 @@ FRONTEND_METRICS = _FrontendMetrics(
                              "Served facts whose KV was evicted, marked to be encoded again"),
     purged_blobs=Counter("inferscale_purged_blobs",
                          "Invalidated blobs dropped from the workers' host/device tiers"),
+    auto_recompute=Counter("inferscale_recompute_auto",
+                           "Requests under recompute auto: first answer kept, or answered "
+                           "again with the tail recomputed", ["decision"]),
 )

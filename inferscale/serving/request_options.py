@@ -2,7 +2,8 @@
 object, else the ``X-InferScale-*`` headers, else the server's settings.
 
 ``mode``: ``inject`` (KV), ``text`` (the same facts prefilled as text) or ``none``; ``k``: facts
-retrieved; ``recompute``: the best m facts prefilled after the injected ones; ``order``:
+retrieved; ``recompute``: the best m facts prefilled after the injected ones, or ``auto``
+(``auto_recompute.py``) with ``recompute_margin`` its threshold in nats; ``order``:
 ``relevance`` (best last) or ``time`` (stored order); ``lead``: the first injected fact uses its
 lead encoding where it has one; ``key_scales``: how strongly the connector applies its key
 scales, true / false or a strength in [0, 1]; ``agent_id`` / ``run_id``: retrieve only the
@@ -22,7 +23,8 @@ from inferscale.serving.guards import FrontendError
 
 MAX_K = 200
 HEADERS = {"mode": "x-inferscale-memory", "k": "x-inferscale-k",
-           "recompute": "x-inferscale-recompute", "order": "x-inferscale-order",
+           "recompute": "x-inferscale-recompute",
+           "recompute_margin": "x-inferscale-recompute-margin", "order": "x-inferscale-order",
            "lead": "x-inferscale-lead", "key_scales": "x-inferscale-key-scales",
            "agent_id": "x-inferscale-agent-id", "run_id": "x-inferscale-run-id"}
 
@@ -58,7 +60,8 @@ class MemoryOptions(BaseModel):
 
     mode: Literal["inject", "text", "none"]
     k: Count
-    recompute: Count = 0
+    recompute: Count | Literal["auto"] = 0
+    recompute_margin: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.5
     order: Literal["relevance", "time"] = "relevance"
     lead: Flag = True
     key_scales: Strength = 1.0
@@ -68,6 +71,16 @@ class MemoryOptions(BaseModel):
     @property
     def scope(self) -> Scope:
         return Scope(self.agent_id, self.run_id)
+
+
+def default_recompute(settings: Settings) -> int | Literal["auto"]:
+    """The server's tail recompute: as set, else auto without a GPU and the auto tail on every
+    request with one."""
+    if settings.recompute_tail is not None:
+        return settings.recompute_tail
+    import torch
+
+    return settings.recompute_auto_tail if torch.cuda.is_available() else "auto"
 
 
 def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
@@ -81,7 +94,8 @@ def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
     if not isinstance(given, dict):
         raise FrontendError(400, "'inferscale' must be an object like {\"mode\": \"inject\"}")
     defaults = {"mode": settings.memory_mode, "k": settings.top_k,
-                "recompute": settings.recompute_tail, "order": settings.fact_order,
+                "recompute": default_recompute(settings),
+                "recompute_margin": settings.recompute_auto_margin, "order": settings.fact_order,
                 "lead": settings.lead_encoding,
                 "key_scales": settings.key_scale_strength if settings.key_scales != "off"
                 else 0.0, "agent_id": None, "run_id": None}

@@ -429,3 +429,57 @@ async def test_memory_that_changes_is_served_as_it_is_now(served, smol, cfg, eng
             facts.c.user_id == user))).all())
     assert chain == {history[0][0]: history[1][0], history[1][0]: history[2][0],
                      history[2][0]: None}
+
+
+async def test_recompute_auto_keeps_a_sure_answer_and_recomputes_an_unsure_one(served, smol, cfg,
+                                                                               engine, embedder):
+    """Under ``"recompute": "auto"`` a request gets exactly the answer of every fact injected
+    (m = 0) where its first token is sure, and exactly the tail-recomputed answer (m = 2)
+    otherwise; streamed or not; the client never sees logprobs it did not ask for, nor a token
+    of the abandoned attempt (the stream holds one answer, whole)."""
+    from inferscale.devstack.chat_client import stream_chat
+
+    encoder, store = smol
+    turns = sample_turns()
+    user = turns[0].user_id
+    await ingest_and_encode(cfg, engine, embedder, turns, encoder, store)
+    question = "What is the name of Sam's octopus at the aquarium?"
+    plain = {m: served.chat(user, question, k=5, recompute=m, max_tokens=8).json()
+             for m in (0, 2)}
+    decided = metric(served, "inferscale_recompute_auto_total")
+    for margin, decision, m in ((0.0, "kept", 0), (1e9, "recomputed", 2)):
+        options = {"recompute": "auto", "recompute_margin": margin}
+        response = served.chat(user, question, max_tokens=8, inferscale={"k": 5, **options})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-inferscale-recompute-auto"] == decision
+        assert response.headers["x-inferscale-recompute"] == str(m)
+        assert float(response.headers["x-inferscale-first-margin"]) >= 0
+        choice = response.json()["choices"][0]
+        assert choice["message"]["content"] == plain[m]["choices"][0]["message"]["content"]
+        assert choice["logprobs"] is None
+        async with httpx.AsyncClient(timeout=120) as client:
+            streamed = await stream_chat(client, served.url, user, question, "inject", 5,
+                                         max_tokens=8, options=options)
+            with_logprobs = await stream_chat(client, served.url, user, question, "inject", 5,
+                                              max_tokens=8, options=options, top_logprobs=1)
+        assert streamed.headers["x-inferscale-recompute-auto"] == decision
+        assert streamed.text == plain[m]["choices"][0]["message"]["content"]
+        assert with_logprobs.text == streamed.text and len(with_logprobs.first_top) == 1
+    assert metric(served, "inferscale_recompute_auto_total", decision="kept") + metric(
+        served, "inferscale_recompute_auto_total", decision="recomputed") == decided + 6
+    # An abandoned stream is aborted in the engine, not generated to its end: here the first
+    # attempt would go on for 64 tokens (no end of sequence), the answer has 64.
+    generated = metric(served, "vllm:generation_tokens_total")
+    body = {"model": "inferscale", "user": user, "stream": True, "max_tokens": 64,
+            "ignore_eos": True, "temperature": 0,
+            "messages": [{"role": "user", "content": question}],
+            "inferscale": {"k": 5, "recompute": "auto", "recompute_margin": 1e9}}
+    async with httpx.AsyncClient(timeout=120) as client, client.stream(
+            "POST", f"{served.url}/v1/chat/completions", json=body) as response:
+        assert response.headers["x-inferscale-recompute-auto"] == "recomputed"
+        chunks = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+    assert len(chunks) > 32
+    assert metric(served, "vllm:generation_tokens_total") - generated - 64 < 16
+    refused = served.chat(user, question, inferscale={"recompute": "auto",
+                                                      "recompute_margin": -1})
+    assert refused.status_code == 400

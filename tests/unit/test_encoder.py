@@ -141,6 +141,8 @@ def test_encode_dtype_setting_picks_the_compute_dtype(tiny_models):
 
 @pytest.mark.parametrize("bad", [{"encode_dtype": "float8"}, {"recompute_tail": -1},
                                  {"fact_order": "random"}, {"recompute_tail": "two"},
+                                 {"recompute_tail": "AUTO"}, {"recompute_auto_margin": -0.5},
+                                 {"recompute_auto_margin": "nan"}, {"recompute_auto_tail": -1},
                                  {"encode_context": "similar"}, {"encode_context": 1},
                                  {"window": -1}, {"window": "five"},
                                  {"lead_encoding": "sometimes"}, {"lead_encoding": [1]},

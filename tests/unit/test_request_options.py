@@ -8,7 +8,12 @@ from hypothesis import strategies as st
 from hostile import json_values, tried
 from inferscale.platform.settings import Settings
 from inferscale.serving.guards import FrontendError
-from inferscale.serving.request_options import MAX_K, MemoryOptions, owner_and_options
+from inferscale.serving.request_options import (
+    MAX_K,
+    MemoryOptions,
+    default_recompute,
+    owner_and_options,
+)
 
 SERVER = Settings(top_k=7, recompute_tail=1, fact_order="time", lead_encoding=False,
                   key_scale_strength=0.5)
@@ -47,6 +52,7 @@ def test_no_owner_means_no_memory_and_key_scales_off_means_zero():
     ({"k": 2.5}, "k"), ({"recompute": "two"}, "recompute"),
     ({"key_scales": 1.5}, "key_scales"), ({"key_scales": "nan"}, "key_scales"),
     ({"key_scales": float("inf")}, "key_scales"),
+    ({"recompute": "always"}, "recompute"), ({"recompute": "AUTO"}, "recompute"),
     ({"agent_id": ""}, "agent_id"), ({"agent_id": 7}, "agent_id"),
     ({"agent_id": "a\x00"}, "agent_id"), ({"run_id": "r" * 257}, "run_id"),
     ({"run_id": ["r"]}, "run_id"),
@@ -55,6 +61,22 @@ def test_bad_options_are_a_400_naming_the_option(given, named):
     with pytest.raises(FrontendError) as refused:
         owner_and_options({"user": "ana", "inferscale": given}, {}, SERVER)
     assert refused.value.status == 400 and named in refused.value.message
+
+
+def test_recompute_takes_a_count_or_auto_and_its_default_follows_the_device(monkeypatch):
+    import torch
+
+    _, options = owner_and_options({"user": "ana", "inferscale": {"recompute": "auto"}}, {},
+                                   SERVER)
+    assert options.recompute == "auto"
+    _, options = owner_and_options({"user": "ana"}, {"x-inferscale-recompute": "auto"}, SERVER)
+    assert options.recompute == "auto"
+    device_default = Settings(recompute_tail=None, recompute_auto_tail=3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert owner_and_options({"user": "ana"}, {}, device_default)[1].recompute == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the tail is cheap on a GPU
+    assert owner_and_options({"user": "ana"}, {}, device_default)[1].recompute == 3
+    assert default_recompute(Settings(recompute_tail="auto")) == "auto"
 
 
 def test_scope_comes_from_the_body_or_the_headers():
