@@ -29,7 +29,7 @@ from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
-from inferscale.lab.bench.common import percentile, print_table, write_report
+from inferscale.lab.bench.common import auto_costs, print_table, write_report
 from inferscale.lab.fidelity import compare
 from inferscale.lab.scoring import exact_match, locomo_f1
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
@@ -241,21 +241,10 @@ def summarize(records: list[dict], plan: list[Config]) -> dict:
             entry["ttft_ratio_text_over_this"] = (
                 summary[config.reference().name]["ttft_p50_s"] / entry["ttft_p50_s"])
         if config.recompute == "auto":
-            entry["auto"] = _auto_costs(rows)
+            entry["auto"] = auto_costs([r.get("recompute_auto") for r in rows],
+                                       [r["ttft_s"] for r in rows])
         summary[config.name] = entry
     return summary
-
-
-def _auto_costs(rows: list[dict]) -> dict:
-    """Under recompute auto: the share of requests answered again with the tail recomputed,
-    and the TTFT of those kept and of those recomputed (p50 / p99)."""
-    out: dict = {"recomputed_share": statistics.mean(
-        r.get("recompute_auto") == "recomputed" for r in rows)}
-    for decision in ("kept", "recomputed"):
-        ttfts = [r["ttft_s"] for r in rows if r.get("recompute_auto") == decision]
-        out[f"ttft_{decision}_p50_s"] = statistics.median(ttfts) if ttfts else None
-        out[f"ttft_{decision}_p99_s"] = percentile(ttfts, 99)
-    return out
 
 
 def _print(summary: dict) -> None:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, field_validator
@@ -201,8 +201,10 @@ class Settings(BaseSettings):
     # logprob margin under recompute_auto_margin), then recompute_auto_tail facts. None: auto
     # where the server has no GPU (prefilling the tail costs more there than everything else),
     # recompute_auto_tail facts on every request on a GPU (docs/results/fidelity.md).
-    recompute_tail: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
-    recompute_auto_margin: float = Field(default=0.5, ge=0, allow_inf_nan=False)  # nats
+    recompute_tail: int | Literal["auto"] | None = None
+    # Recompute auto: the first-token top-2 logprob margin (nats) under which the tail is
+    # recomputed, and how many facts it recomputes then.
+    recompute_auto_margin: float = Field(default=0.5, ge=0, allow_inf_nan=False)
     recompute_auto_tail: int = Field(default=2, ge=0)
     # Order of the retrieved facts in the prompt: "relevance" (best last, as the paper does) or
     # "time" (the order they were stored in: a user's conversation order).
@@ -223,6 +225,13 @@ class Settings(BaseSettings):
     plan_secret: str | None = None  # signs injection plans (None: random per server)
     max_model_len: int = 8192  # vLLM's --max-model-len
     vllm_kv_cache_gib: int = 2  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+
+    @field_validator("recompute_tail")
+    @classmethod
+    def _check_recompute_tail(cls, tail: int | str | None) -> int | str | None:
+        if isinstance(tail, int) and tail < 0:
+            raise ValueError("a tail recompute counts facts: 0 or more")
+        return tail
 
     @field_validator("kv_url")
     @classmethod

@@ -44,3 +44,17 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
         if n == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def auto_costs(decisions: list[str | None], ttfts: list[float]) -> dict | None:
+    """Under recompute auto (each request's ``x-inferscale-recompute-auto``: kept or
+    recomputed): the share answered again with the tail recomputed and the TTFT (p50 / p99) of
+    those kept and of those recomputed; None where no request was under recompute auto."""
+    if not any(decisions):
+        return None
+    out: dict = {"recomputed_share": decisions.count("recomputed") / len(decisions)}
+    for decision in ("kept", "recomputed"):
+        chosen = [t for t, d in zip(ttfts, decisions, strict=True) if d == decision]
+        out[f"ttft_{decision}_p50_s"] = statistics.median(chosen) if chosen else None
+        out[f"ttft_{decision}_p99_s"] = percentile(chosen, 99)
+    return out

@@ -1,5 +1,7 @@
-"""TTFT vs k over HTTP: inject (host tier, disk tier) vs vLLM's prefix-cache hit vs text prefill
-vs no memory, same facts and order, with the host time of each stage per request."""
+"""TTFT vs k over HTTP: inject (host tier, disk tier; the server's default tail recompute, and
+m = 0 and m = 2 beside it) vs vLLM's prefix-cache hit vs text prefill vs no memory, same facts
+and order, with the host time of each stage per request and, under recompute auto, the share
+of requests answered again with the tail recomputed and their TTFT."""
 
 from __future__ import annotations
 
@@ -16,14 +18,16 @@ from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import ChatResult, scrape, stream_chat, totals
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
-from inferscale.lab.bench.common import percentile, print_table, write_report
+from inferscale.lab.bench.common import auto_costs, percentile, print_table, write_report
 from inferscale.lab.bench.cpu import per_process, thread_times
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
 from inferscale.pipeline.sources import read_turns
 from inferscale.platform.settings import Settings
 
-MODES = ("inject", "prefix-hit", "text", "none")
+MODES = ("inject", "inject-m0", "inject-m2", "prefix-hit", "text", "none")
 DISK_MODE = "inject-disk"  # inject on a server whose memory tiers hold nothing
+# Tail recompute per inject mode (None: the server's default, recompute auto on a CPU).
+RECOMPUTE = {"inject": None, "inject-m0": 0, "inject-m2": 2, DISK_MODE: None}
 # Host time per request, by stage: (label, metric, stage label or None).
 STAGES = (("retrieval", "inferscale_retrieval_seconds_sum", None),
           ("compose", "inferscale_stage_seconds_sum", "compose"),
@@ -42,19 +46,22 @@ async def _ask(client: httpx.AsyncClient, url: str, user: str, question: str, mo
     first sends the text prompt once with a salt (not counted), then again with the same salt:
     vLLM's own prefix cache serves the second. ``inject`` first sends the question once with
     another salt (not counted): its facts are then in the host tier, not in vLLM's prefix cache,
-    so the timed request injects them all from host memory. ``inject-disk`` is not primed.
-    Both inject modes ask for no tail recompute: every fact arrives as KV, as in a prefix hit."""
-    salt, options = None, {"recompute": 0}
+    so the timed request injects them all from host memory (``inject-m0`` / ``-m2`` likewise,
+    with that tail recompute). ``inject-disk`` is not primed."""
+    salt = None
+    recompute = RECOMPUTE.get(mode)
+    options = {"recompute": recompute} if recompute is not None else None
     if mode == "prefix-hit":
         salt = uuid.uuid4().hex
         await stream_chat(client, url, user, question, "text", k, max_tokens=1, salt=salt)
-    elif mode == "inject":
-        await stream_chat(client, url, user, question, mode, k, max_tokens=1, options=options)
-    mode = mode.removesuffix("-disk")
+    elif mode.startswith("inject") and mode != DISK_MODE:
+        await stream_chat(client, url, user, question, "inject", k, max_tokens=1,
+                          options=options)
     before = await scrape(client, url)
-    result = await stream_chat(client, url, user, question,
-                               "text" if mode == "prefix-hit" else mode, k, salt=salt,
-                               options=options if mode == "inject" else None)
+    served = ("text" if mode == "prefix-hit" else "inject" if mode.startswith("inject")
+              else mode)
+    result = await stream_chat(client, url, user, question, served, k, salt=salt,
+                               options=options)
     return result, before, await scrape(client, url)
 
 
@@ -105,6 +112,8 @@ async def measure(url: str, user: str, questions: list[str], ks: list[int],
                                                      check=check) / len(pairs)
                                        for check in ("hashed", "known_version")},
                     "wall_ms_per_request": wall_ms, "processes": cpu,
+                    "recompute_auto": auto_costs(
+                        [r.headers.get("x-inferscale-recompute-auto") for r in results], ttfts),
                     "retrieval_ms": statistics.median(
                         float(r.headers.get("x-inferscale-retrieval-ms", 0)) for r in results),
                     "stages_ms": {label: _delta(pairs, metric, **({"stage": stage} if stage
@@ -184,20 +193,28 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
     for k in ks:
         by = {r["mode"]: r for r in rows if r["k"] == k}
         inject, disk, hit = by["inject"], by[DISK_MODE], by["prefix-hit"]
+        auto = inject["recompute_auto"] or {}
         table.append([k, by["none"]["ttft_median_s"], by["text"]["ttft_median_s"],
-                      hit["ttft_median_s"], inject["ttft_median_s"], disk["ttft_median_s"],
+                      hit["ttft_median_s"], inject["ttft_median_s"],
+                      by["inject-m0"]["ttft_median_s"], by["inject-m2"]["ttft_median_s"],
+                      disk["ttft_median_s"],
                       by["text"]["ttft_median_s"] / inject["ttft_median_s"],
                       inject["ttft_median_s"] / hit["ttft_median_s"],
+                      by["inject-m0"]["ttft_median_s"] / hit["ttft_median_s"],
+                      by["inject-m2"]["ttft_median_s"] / hit["ttft_median_s"],
                       disk["ttft_median_s"] / hit["ttft_median_s"],
+                      auto.get("recomputed_share", ""), auto.get("ttft_recomputed_p50_s") or "",
+                      auto.get("ttft_recomputed_p99_s") or "",
                       int(by["text"]["prompt_tokens"]), int(inject["injected_tokens"]),
                       round(hit["computed_tokens"]), round(inject["computed_tokens"])])
         for row in (inject, disk):
             breakdown.append([k, row["mode"], *row["stages_ms"].values(),
                               *row["page_in_checks"].values(),
                               row["engine_ttft_mean_s"] * 1000, hit["engine_ttft_mean_s"] * 1000])
-    print_table(["k", "none p50", "text p50", "prefix-hit p50", "inject p50", "inject-disk p50",
-                 "text/inject", "inject/hit", "disk/hit", "prompt tok", "injected tok",
-                 "computed tok hit", "computed tok inject"], table)
+    print_table(["k", "none p50", "text p50", "prefix-hit p50", "inject p50", "m=0 p50",
+                 "m=2 p50", "inject-disk p50", "text/inject", "inject/hit", "m=0/hit",
+                 "m=2/hit", "disk/hit", "auto: recomputed", "recomputed p50", "recomputed p99",
+                 "prompt tok", "injected tok", "computed tok hit", "computed tok inject"], table)
     print("host ms per request by stage, page-ins hashed / of known versions per request, and "
           "vLLM's mean engine TTFT (ms):")
     print_table(["k", "mode", *(label for label, _, _ in STAGES), "hashed", "known version",
