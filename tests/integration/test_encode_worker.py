@@ -512,3 +512,62 @@ def test_a_worker_sharing_the_host_takes_its_share_of_the_cores(settings):
     for bad in (0, -2, "many", 1.5):
         with pytest.raises(ValidationError, match="worker_threads"):
             Settings(worker_threads=bad)
+
+
+async def test_a_fact_edited_while_encoding_leaves_no_old_kv_and_the_edit_stays(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    """An edit (memory API) lands while the old version's KV is being encoded: the old blob is
+    removed when the encode records it, the old version stays retired, the new version gets
+    its own KV; a redelivery of every turn and a replay of the topic from the start (a new
+    consumer group: the backlog) bring neither the old version nor a second fact back."""
+    from inferscale.db.memory_edits import delete_fact, edit_fact
+
+    settings = settings.model_copy(update={"window": 0})
+    store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    turns = sample_turns()[:3]
+    user = turns[0].user_id
+    await _ingest(settings, engine, embedder, turns)
+    first, second, third = [row.id for row in await _user_facts(engine, user)]
+    new_text = "1 March 2025 Sam: I live in Porto now."
+    vector = [float(x) for x in embedder.encode([new_text])[0]]
+    loop = asyncio.get_running_loop()
+    edited: list[int] = []
+
+    def edit() -> None:
+        async def go() -> None:
+            async with engine.begin() as conn:
+                result = await edit_fact(conn, user, first, new_text, vector)
+                assert result is not None
+                edited.append(result[0].id)
+
+        if not edited:  # the first batch only: the old versions are being encoded now
+            asyncio.run_coroutine_threadsafe(go(), loop).result(30)
+
+    await EncodeWorker(settings, engine, _ForgettingEncoder(tiny_encoder, edit),
+                       store).run(drain=True)
+    async with engine.begin() as conn:
+        assert (await delete_fact(conn, user, second))[0]
+    rows = {row.id: row for row in await _user_facts(engine, user)}
+    assert rows[first].deleted_at is not None and rows[first].superseded_by == edited[0]
+    assert not (store.durable.root / store.location_for(str(first))).exists()  # removed
+    assert rows[edited[0]].kv_location
+    assert (store.durable.root / rows[edited[0]].kv_location).exists()
+    live_before = [(r.id, r.text) for r in (await _live_records(engine, user))]
+
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
+    replay = settings.model_copy(update={"consumer_group": f"replay-{uuid.uuid4().hex[:6]}"})
+    for worker_settings in (settings, replay):  # the redelivery, then the whole backlog again
+        await IngestWorker(worker_settings, worker_settings.kafka_bootstrap, engine).run(
+            drain=True)
+    await extract_all(settings, engine, embedder)
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert [(r.id, r.text) for r in await _live_records(engine, user)] == live_before
+    assert [text for _, text in live_before] == [rows[third].text, new_text]
+
+
+async def _live_records(engine, user):
+    from inferscale.db.memory_edits import list_facts
+
+    async with engine.connect() as conn:
+        return await list_facts(conn, user, 0, 100)
