@@ -49,9 +49,9 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
 
         retrieval.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
     elif args.which == "memory-api":
-        from inferscale.lab.bench import memory_api
+        from inferscale.lab.bench import memory_api_latency
 
-        memory_api.run(settings, data, out, repeats=args.n)
+        memory_api_latency.run(settings, data, out, repeats=args.n)
     elif args.which == "pagein":
         from inferscale.lab.bench import pagein
 
