@@ -444,12 +444,15 @@ async def test_recompute_auto_keeps_a_sure_answer_and_recomputes_an_unsure_one(s
     user = turns[0].user_id
     await ingest_and_encode(cfg, engine, embedder, turns, encoder, store)
     question = "What is the name of Sam's octopus at the aquarium?"
-    plain = {m: served.chat(user, question, k=5, recompute=m, max_tokens=8).json()
-             for m in (0, 2)}
+    # Every request under its own cache salt: each computes its prompt whole, the same way
+    # (no prefix-cache hit computes a shorter tail), so equal answers are exact by construction.
+    plain = {m: served.chat(user, question, k=5, recompute=m, max_tokens=8,
+                            cache_salt=uuid.uuid4().hex).json() for m in (0, 2)}
     decided = metric(served, "inferscale_recompute_auto_total")
     for margin, decision, m in ((0.0, "kept", 0), (1e9, "recomputed", 2)):
         options = {"recompute": "auto", "recompute_margin": margin}
-        response = served.chat(user, question, max_tokens=8, inferscale={"k": 5, **options})
+        response = served.chat(user, question, max_tokens=8, inferscale={"k": 5, **options},
+                               cache_salt=uuid.uuid4().hex)
         assert response.status_code == 200, response.text
         assert response.headers["x-inferscale-recompute-auto"] == decision
         assert response.headers["x-inferscale-recompute"] == str(m)
