@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.contracts.plan import lead_name
+from inferscale.contracts.plan import holds_lead, lead_name
 from inferscale.db.encode_queue import (
     STORAGE_FAILURE,
     PendingFact,
@@ -264,13 +264,22 @@ class EncodeWorker(BatchStage):
             failures += failed
         return done, failures
 
+    def _wants_lead(self, fact: PendingFact) -> bool:
+        """Whether ``fact`` gets a lead blob: where it has context (without, its own blob is
+        exact first), if its owner's memory is small (fewer than ``window`` facts before it, or
+        a backfill of one of the first: a re-encoding keeps its lead), else for ``lead_share``
+        of the facts."""
+        s = self.settings
+        return s.lead_encoding and bool(fact.context) and (
+            fact.reencode or len(fact.context) < s.window or holds_lead(fact.id, s.lead_share))
+
     def _encode_batch(self, pending: list[PendingFact]
                       ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
         """One forward pass for the batch (and one for its lead encodings: the facts after the
         preamble alone, where they have context), then the durable writes per fact; a write
         that fails (disk full, ...) fails only its fact, and the batch is not encoded again."""
         items = [self.encoder.fact_item(f.text, f.context) for f in pending]
-        leading = [f for f in pending if f.context] if self.settings.lead_encoding else []
+        leading = [f for f in pending if self._wants_lead(f)]
         failpoints.hit("encode.before_forward", "\n".join(f.text for f in pending))
         spans = self.encoder.encode(items)
         leads = dict(zip((f.id for f in leading), self.encoder.encode(

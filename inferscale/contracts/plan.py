@@ -29,6 +29,13 @@ def lead_name(fact_id: int | str) -> str:
     return f"{fact_id}{LEAD}"
 
 
+def holds_lead(fact_id: int, share: float) -> bool:
+    """Whether a fact is among the ``share`` of facts given a lead blob: decided by a hash of its
+    id (ids come in runs per conversation), the same on every worker and every re-encoding."""
+    digest = hashlib.blake2b(str(fact_id).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < share * 2**64
+
+
 class PlanError(ValueError):
     """A plan that must not be used."""
 

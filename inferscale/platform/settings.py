@@ -128,10 +128,14 @@ class Settings(BaseSettings):
     # user has that many (again, if it was encoded before); served after 19 others, the first
     # facts drifted most (docs/results/fidelity.md).
     encode_backfill: bool = True
-    # Lead encoding: the worker also stores each fact's KV encoded after the preamble alone, and
+    # Lead encoding: the worker also stores a fact's KV encoded after the preamble alone, and
     # the server injects it for the fact it serves first (right after the preamble, where that
-    # encoding is exact) unless a request says "lead": false. Twice the KV bytes per fact.
+    # encoding is exact) unless a request says "lead": false. A request needs one lead blob, not
+    # one per fact: lead_share of the facts (chosen by a hash of their id) and every fact of a
+    # small memory (encoded after fewer than ``window`` others, or backfilled) get one, and the
+    # server serves first the least relevant retrieved fact that holds one (docs/results/cost.md).
     lead_encoding: bool = True
+    lead_share: float = Field(default=0.25, ge=0, le=1, allow_inf_nan=False)
     # How facts' K/V are stored at rest (``contracts/kv_format.py``): "raw" (the model's KV
     # dtype as encoded) or integer codes, keys per channel and values per token ("int8",
     # "int4", "int2"), dequantised inside the fused write. Each blob records its format, so a
@@ -206,6 +210,10 @@ class Settings(BaseSettings):
     # recomputed, and how many facts it recomputes then.
     recompute_auto_margin: float = Field(default=0.5, ge=0, allow_inf_nan=False)
     recompute_auto_tail: int = Field(default=2, ge=0)
+    # Recompute auto, last step: where the tail-recomputed answer's first-token margin is still
+    # under this (a tie: which token wins is rounding), the request is answered with every fact
+    # prefilled as text, as text prefill answers it. 0: never.
+    recompute_auto_text_margin: float = Field(default=0.125, ge=0, allow_inf_nan=False)
     # Order of the retrieved facts in the prompt: "relevance" (best last, as the paper does) or
     # "time" (the order they were stored in: a user's conversation order).
     fact_order: Literal["relevance", "time"] = "relevance"

@@ -8,7 +8,10 @@ of it (its later sends are dropped and its receive reports a disconnect, on whic
 cancels the stream and vLLM aborts the request) and the request is answered again with the
 best m facts prefilled after the injected ones. On 529 LoCoMo dev questions every first token
 m = 0 got wrong had a margin of at most 1 nat, and a threshold of 0.5 recomputes ~22% of
-requests for the agreement of recomputing all of them (``docs/results/fidelity.md``).
+requests for the agreement of recomputing all of them (``docs/results/fidelity.md``). Where the
+tail-recomputed answer is itself a near tie (margin under ``text_threshold``), that attempt is
+abandoned the same way and the request answered a third time with every fact as text: ties are
+what injected and prefilled answers still disagree on.
 
 Logprobs the client did not ask for are removed from what it receives (to the count it asked
 for where it asked for fewer). Pure logic over ASGI messages: the front end wires it.
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Decision = Literal["kept", "recomputed"]
+Outcome = Literal["kept", "recomputed", "text"]  # which attempt answered
+OUTCOMES: tuple[Outcome, ...] = ("kept", "recomputed", "text")
 PROBE_TOP_LOGPROBS = 2
 
 
@@ -33,6 +38,13 @@ class AutoRecompute:
     threshold: float  # nats: a first-token top-2 margin below it recomputes the tail
     client_top_logprobs: int | None  # what the client asked for (None: no logprobs)
     tail: int  # facts recomputed by the second attempt
+    text_threshold: float = 0.0  # nats: the second attempt's margin below it: all as text
+
+    def then(self) -> AutoRecompute | None:
+        """The gate of the tail-recomputed attempt (None: that attempt answers)."""
+        if self.text_threshold <= 0:
+            return None
+        return replace(self, threshold=self.text_threshold, text_threshold=0.0)
 
 
 def client_top_logprobs(data: dict[str, Any]) -> int | None:

@@ -1,7 +1,7 @@
 """Composing a memory prompt: retrieve the owner's top-k facts and lay out the token ids
 ``[preamble][injected facts][text facts][chat]`` with the signed injection plan for the facts
 whose KV can be injected (best fact last, or in stored order; the last ``recompute`` facts and
-any fact without usable KV as text)."""
+any fact without usable KV as text). In relevance order a fact holding a lead blob goes first."""
 
 from __future__ import annotations
 
@@ -9,16 +9,20 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cachetools import TTLCache
 
 from inferscale.contracts.layout import PromptPlan
-from inferscale.contracts.plan import PREAMBLE, Plan, Segment, lead_name
+from inferscale.contracts.plan import LEAD, PREAMBLE, Plan, Segment, lead_name
 from inferscale.platform.settings import Settings
 from inferscale.serving.guards import FrontendError
 from inferscale.serving.metrics import FRONTEND_METRICS as M
 from inferscale.serving.metrics import KV_METRICS
 from inferscale.serving.request_options import MemoryOptions
+
+if TYPE_CHECKING:
+    from inferscale.db.reads import RetrievedFact
 
 log = logging.getLogger("inferscale.serving.compose")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -134,12 +138,12 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
     M.retrieval_seconds.observe(retrieval_ms / 1000)
     if facts:
         rt.note_served(owner, any(not f.kv_location for f in facts))
+    if not isinstance(options.recompute, int):
+        raise ValueError("the front end decides an auto recompute before composing")
     if options.order == "time":
         facts.sort(key=lambda f: f.id)
     else:
-        facts.reverse()
-    if not isinstance(options.recompute, int):
-        raise ValueError("the front end decides an auto recompute before composing")
+        facts = lead_first(facts[::-1], rt.fingerprint, options.recompute)
     head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
     injectable = [f for f in head if f.kv_location and f.token_ids
                   and f.model_fingerprint == rt.fingerprint]
@@ -161,11 +165,25 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
             for i, (f, ids, (start, _)) in enumerate(zip(
                 injectable, injected_segments, prompt.fact_spans, strict=False))]
         plan = Plan(rt.fingerprint, plan_segments, options.key_scales)
+        M.facts.labels("lead").inc(sum(s.name.endswith(LEAD) for s in plan_segments))
     injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
     KV_METRICS.stage_seconds.labels("compose").observe(time.perf_counter() - composing)
     fact_ids = [f.id for f in injectable + as_text]
     return MemoryPrompt(prompt.token_ids, fact_ids, plan, len(injectable), len(as_text), injected,
                         sum(map(len, text_segments)), retrieval_ms)
+
+
+def lead_first(facts: list[RetrievedFact], fingerprint: str, tail: int) -> list[RetrievedFact]:
+    """Facts best last, with the least relevant one holding a lead blob for this model moved
+    first (where it is not in the recomputed tail): a request needs one lead blob, and most facts
+    have none (``lead_share``). The same order in every memory mode, so injected and prefilled
+    answers read the same prompt."""
+    head = len(facts) - tail
+    leader = next((i for i, f in enumerate(facts[:max(head, 0)])
+                   if f.kv_lead_checksum and f.model_fingerprint == fingerprint), None)
+    if leader is None:
+        return facts
+    return [facts[leader], *facts[:leader], *facts[leader + 1:]]
 
 
 def _layout(rt: MemoryRuntime, texts: list[str], injected: list[list[int]], messages: list[dict]

@@ -26,6 +26,7 @@ from typing import Any
 from inferscale.contracts.plan import PLAN_KEY, sign
 from inferscale.platform.settings import get_settings
 from inferscale.serving.auto_recompute import (
+    OUTCOMES,
     AutoRecompute,
     Decision,
     FirstTokenGate,
@@ -62,6 +63,8 @@ PREFIX_RESET_TRIES = 50  # vLLM resets its prefix cache only between requests
 BODY_METHODS = ("POST", "PUT", "PATCH")
 PARSE_IN_THREAD_BYTES = 64 * 1024
 TIERS_TIMEOUT_S = 5.0
+# Under recompute auto, the header with the margin of the attempt each outcome follows.
+MARGIN_HEADERS = ("x-inferscale-first-margin", "x-inferscale-tail-margin")
 
 
 async def _purge(app, locations: list[str]) -> tuple[int, bool]:
@@ -138,17 +141,47 @@ class MemoryFrontend:
 
     async def _answer_auto(self, scope, client: _Downstream, send, rewritten: _Rewritten):
         """``"recompute": "auto"``: the m = 0 attempt behind a ``FirstTokenGate``; where the
-        gate abandons it, the request answered again with the tail recomputed."""
-        auto = rewritten.auto
-        assert auto is not None and rewritten.retry is not None
+        gate abandons it, the request answered again with the tail recomputed, behind a gate of
+        its own where ``text_threshold`` is set; where that one abandons too, with every fact
+        as text."""
+        step = rewritten.auto
+        assert step is not None and rewritten.retry is not None
+        body, headers = rewritten.body, rewritten.headers
+        margins: dict[str, str] = {}
+        for outcome, margin_header in zip(OUTCOMES, (*MARGIN_HEADERS, None), strict=True):
+            answered = {**headers, **margins, "x-inferscale-recompute-auto": outcome}
+            if step is None or margin_header is None:
+                M.auto_recompute.labels(outcome).inc()
+                return await self.app(_with_length(scope, body), client.receiver(body),
+                                      _adding(send, answered))
+            gate = await self._gated_attempt(scope, client, send, body, step, answered,
+                                             margin_header)
+            if not gate.abandoned:
+                if gate.decision is not None:
+                    M.auto_recompute.labels(outcome).inc()
+                return
+            margins[margin_header] = f"{gate.margin:.3f}"
+            step = step.then()
+            try:
+                body, headers = await rewritten.retry(outcome == "kept", step is not None)
+            except FrontendError as exc:
+                return await _error(send, exc.status, exc.message)
+            except Exception as exc:  # noqa: BLE001 - as for the first attempt
+                log.exception("memory front end failed composing a recompute")
+                return await _error(send, 503, f"memory unavailable: {type(exc).__name__}")
+
+    async def _gated_attempt(self, scope, client: _Downstream, send, body: bytes,
+                             auto: AutoRecompute, headers: dict[str, str], margin_header: str
+                             ) -> FirstTokenGate:
+        """One attempt behind a ``FirstTokenGate``: released to the client (with ``headers`` and
+        its margin) or abandoned before the client sees a byte of it."""
         abort = asyncio.Event()
 
-        def kept_headers(decision: Decision, margin: float | None) -> dict[str, str]:
-            return {**rewritten.headers, "x-inferscale-recompute-auto": decision,
-                    **({"x-inferscale-first-margin": f"{margin:.3f}"} if margin is not None
-                       else {})}
+        def released_headers(_: Decision, margin: float | None) -> dict[str, str]:
+            return {**headers, **({margin_header: f"{margin:.3f}"} if margin is not None
+                                  else {})}
 
-        gate = FirstTokenGate(auto, _adding(send, {}), kept_headers)
+        gate = FirstTokenGate(auto, _adding(send, {}), released_headers)
 
         async def attempt_send(message):
             await gate(message)
@@ -156,27 +189,14 @@ class MemoryFrontend:
                 abort.set()  # Starlette's disconnect listener (ASGI < 2.4) cancels the stream
 
         # Spec 2.3: Starlette also listens for the disconnect, which ``abort`` delivers.
-        first = {**_with_length(scope, rewritten.body),
-                 "asgi": {**scope.get("asgi", {}), "spec_version": "2.3"}}
+        attempt = {**_with_length(scope, body),
+                   "asgi": {**scope.get("asgi", {}), "spec_version": "2.3"}}
         try:
-            await self.app(first, client.receiver(rewritten.body, abort), attempt_send)
+            await self.app(attempt, client.receiver(body, abort), attempt_send)
         except Exception:
             if not gate.abandoned:
                 raise
-        if gate.decision is not None:
-            M.auto_recompute.labels(gate.decision).inc()
-        if not gate.abandoned:
-            return
-        try:
-            body, headers = await rewritten.retry()
-        except FrontendError as exc:
-            return await _error(send, exc.status, exc.message)
-        except Exception as exc:  # noqa: BLE001 - as for the first attempt
-            log.exception("memory front end failed composing a tail recompute")
-            return await _error(send, 503, f"memory unavailable: {type(exc).__name__}")
-        headers = {**headers, "x-inferscale-recompute-auto": "recomputed",
-                   "x-inferscale-first-margin": f"{gate.margin:.3f}"}
-        await self.app(_with_length(scope, body), client.receiver(body), _adding(send, headers))
+        return gate
 
     def _bootstrap(self) -> str | None:
         from inferscale.devstack.infra import InfraError, resolve_kafka_bootstrap
@@ -285,12 +305,18 @@ class MemoryFrontend:
         if options.mode != "inject" or data.get("n") not in (None, 1) or tail == 0:
             return _Rewritten(*await self._memory_body(rt, data, owner, recomputed, messages,
                                                        query))
-        auto = AutoRecompute(options.recompute_margin, client_top_logprobs(data), tail)
+        auto = AutoRecompute(options.recompute_margin, client_top_logprobs(data), tail,
+                             options.recompute_text_margin)
         original = dict(data)
 
-        async def retry() -> tuple[bytes, dict[str, str]]:
-            return await self._memory_body(rt, dict(original), owner, recomputed, messages,
-                                           query)
+        async def retry(tail_only: bool, gated: bool) -> tuple[bytes, dict[str, str]]:
+            """The request composed again: the tail recomputed, or every fact as text."""
+            again = dict(original)
+            if gated:
+                ask_for_margin(again)
+            return await self._memory_body(
+                rt, again, owner, recomputed if tail_only
+                else recomputed.model_copy(update={"mode": "text"}), messages, query)
 
         ask_for_margin(data)
         body, extra = await self._memory_body(
@@ -341,12 +367,13 @@ class MemoryFrontend:
 @dataclass(frozen=True)
 class _Rewritten:
     """A request as vLLM receives it, the headers its response gets and, under recompute
-    auto, how to compose it again with the tail recomputed."""
+    auto, how to compose it again (the tail recomputed, or every fact as text)."""
 
     body: bytes
     headers: dict[str, str] = field(default_factory=dict)
     auto: AutoRecompute | None = None
-    retry: Callable[[], Awaitable[tuple[bytes, dict[str, str]]]] | None = None
+    # (tail only, else every fact as text; whether a gate reads the answer's margin)
+    retry: Callable[[bool, bool], Awaitable[tuple[bytes, dict[str, str]]]] | None = None
 
 
 _DISCONNECT = {"type": "http.disconnect"}

@@ -60,7 +60,9 @@ class _FrontendMetrics:
 
 FRONTEND_METRICS = _FrontendMetrics(
     requests=Counter("inferscale_memory_requests", "Memory requests", ["mode"]),
-    facts=Counter("inferscale_memory_facts", "Facts placed in prompts", ["how"]),
+    facts=Counter("inferscale_memory_facts",
+                  "Facts placed in prompts: injected, text, lead (injected from a lead blob)",
+                  ["how"]),
     injected_tokens=Counter("inferscale_injected_tokens", "Prompt tokens planned for injection"),
     prefilled_memory_tokens=Counter("inferscale_prefilled_memory_tokens",
                                     "Memory tokens prefilled as text"),

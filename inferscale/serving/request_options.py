@@ -3,12 +3,13 @@ object, else the ``X-InferScale-*`` headers, else the server's settings.
 
 ``mode``: ``inject`` (KV), ``text`` (the same facts prefilled as text) or ``none``; ``k``: facts
 retrieved; ``recompute``: the best m facts prefilled after the injected ones, or ``auto``
-(``auto_recompute.py``) with ``recompute_margin`` its threshold in nats; ``order``:
-``relevance`` (best last) or ``time`` (stored order); ``lead``: the first injected fact uses its
-lead encoding where it has one; ``key_scales``: how strongly the connector applies its key
-scales, true / false or a strength in [0, 1]; ``agent_id`` / ``run_id``: retrieve only the
-owner's facts of that agent / run (``contracts/scope.py``; unset: any). The lab's CLI parses
-strengths with the same type (``STRENGTH``).
+(``auto_recompute.py``) with ``recompute_margin`` its threshold in nats and
+``recompute_text_margin`` the tail-recomputed answer's, under which every fact goes as text;
+``order``: ``relevance`` (best last) or ``time`` (stored order); ``lead``: the first injected
+fact uses its lead encoding where it has one; ``key_scales``: how strongly the connector
+applies its key scales, true / false or a strength in [0, 1]; ``agent_id`` / ``run_id``:
+retrieve only the owner's facts of that agent / run (``contracts/scope.py``; unset: any). The
+lab's CLI parses strengths with the same type (``STRENGTH``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from inferscale.serving.guards import FrontendError
 MAX_K = 200
 HEADERS = {"mode": "x-inferscale-memory", "k": "x-inferscale-k",
            "recompute": "x-inferscale-recompute",
-           "recompute_margin": "x-inferscale-recompute-margin", "order": "x-inferscale-order",
+           "recompute_margin": "x-inferscale-recompute-margin",
+           "recompute_text_margin": "x-inferscale-recompute-text-margin",
+           "order": "x-inferscale-order",
            "lead": "x-inferscale-lead", "key_scales": "x-inferscale-key-scales",
            "agent_id": "x-inferscale-agent-id", "run_id": "x-inferscale-run-id"}
 
@@ -62,6 +65,7 @@ class MemoryOptions(BaseModel):
     k: Count
     recompute: Count | Literal["auto"] = 0
     recompute_margin: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.5
+    recompute_text_margin: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.125
     order: Literal["relevance", "time"] = "relevance"
     lead: Flag = True
     key_scales: Strength = 1.0
@@ -95,7 +99,9 @@ def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
         raise FrontendError(400, "'inferscale' must be an object like {\"mode\": \"inject\"}")
     defaults = {"mode": settings.memory_mode, "k": settings.top_k,
                 "recompute": default_recompute(settings),
-                "recompute_margin": settings.recompute_auto_margin, "order": settings.fact_order,
+                "recompute_margin": settings.recompute_auto_margin,
+                "recompute_text_margin": settings.recompute_auto_text_margin,
+                "order": settings.fact_order,
                 "lead": settings.lead_encoding,
                 "key_scales": settings.key_scale_strength if settings.key_scales != "off"
                 else 0.0, "agent_id": None, "run_id": None}

@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from helpers import extract_all, sample_turns, turn
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.contracts.plan import lead_name
+from inferscale.contracts.plan import holds_lead, lead_name
 from inferscale.db.encode_queue import (
     PendingFact,
     claim_backfill_facts,
@@ -114,7 +114,7 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
 
 async def test_lead_encodings_are_the_facts_after_the_preamble_alone(settings, engine, embedder,
                                                                    tiny_encoder, tmp_path):
-    settings = settings.model_copy(update={"window": 2, "kv_format": "raw"})
+    settings = settings.model_copy(update={"window": 2, "kv_format": "raw", "lead_share": 1.0})
     user, plain = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("lead", "plain"))
     await _ingest(settings, engine, embedder, sample_turns(user)[:4])
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
@@ -139,6 +139,32 @@ async def test_lead_encodings_are_the_facts_after_the_preamble_alone(settings, e
     await EncodeWorker(off, engine, tiny_encoder, store).run(drain=True)
     assert [r.kv_lead_checksum for r in await _user_facts(engine, plain)] == [None] * 3
     assert not list((tmp_path / "kv").rglob("*.lead.safetensors"))
+
+
+async def test_lead_blobs_go_to_small_memories_and_a_share_of_the_rest(settings, engine,
+                                                                      embedder, tiny_encoder,
+                                                                      tmp_path):
+    """A fact encoded after fewer than ``window`` others gets a lead blob; of the others, those
+    whose id hashes into ``lead_share``; a fact with no context needs none."""
+    settings = settings.model_copy(update={"window": 2, "lead_share": 0.5,
+                                           "encode_backfill": False})
+    turns = sample_turns(f"need-{uuid.uuid4().hex[:6]}")[:8]
+    await _ingest(settings, engine, embedder, turns)
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    rows = await _user_facts(engine, turns[0].user_id)
+    assert [r.context_facts for r in rows] == [0, 1] + [2] * 6
+    wanted = [False, True] + [holds_lead(r.id, 0.5) for r in rows[2:]]
+    assert [r.kv_lead_checksum is not None for r in rows] == wanted
+    on_disk = {p.name for p in (tmp_path / "kv").rglob("*.lead.safetensors")}
+    assert on_disk == {f"{lead_name(r.id)}.safetensors" for r, w in zip(rows, wanted,
+                                                                         strict=True) if w}
+    for row in rows:
+        if row.kv_lead_checksum:
+            assert store.load(lead_name(row.id), row.kv_lead_checksum).window == 0
+        files = [p for p in (tmp_path / "kv").rglob("*.safetensors")
+                 if p.name.split(".")[0] == str(row.id)]
+        assert row.kv_bytes == sum(p.stat().st_size for p in files)  # what the budget counts
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])

@@ -431,12 +431,44 @@ async def test_memory_that_changes_is_served_as_it_is_now(served, smol, cfg, eng
                      history[2][0]: None}
 
 
+async def test_a_fact_holding_a_lead_blob_is_served_first_in_every_mode(served, smol, cfg,
+                                                                         engine, embedder):
+    """Only some facts hold a lead blob; a request serves first the least relevant retrieved
+    fact that holds one (the rest best last, as ranked), in the same order injected or
+    prefilled as text, and that fact is injected from its lead blob."""
+    encoder, store = smol
+    turns = sample_turns()
+    user = turns[0].user_id
+    await ingest_and_encode(cfg.model_copy(update={"lead_share": 0.0, "encode_backfill": False}),
+                            engine, embedder, turns, encoder, store)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(facts.c.id, facts.c.kv_lead_checksum).where(
+            facts.c.user_id == user))).all()
+    leads = {r.id for r in rows if r.kv_lead_checksum}
+    assert leads and len(leads) < len(rows)  # the first facts (encoded after < window) only
+    question = "What is the name of Sam's octopus at the aquarium?"
+    hits = httpx.post(f"{served.url}/v1/memory/users/{user}/search", timeout=60,
+                      json={"query": question, "k": len(rows)}).json()["hits"]
+    best_last = [h["id"] for h in hits][::-1]
+    leader = next(i for i in best_last if i in leads)
+    expected = [leader] + [i for i in best_last if i != leader]
+    assert expected != best_last  # the least relevant fact holds no lead: the order moved
+    for mode, leading in (("inject", 1), ("text", 0)):
+        before = metric(served, "inferscale_memory_facts_total", how="lead")
+        response = served.chat(user, question, mode=mode, k=len(rows), recompute=0,
+                               max_tokens=2)
+        assert response.status_code == 200, response.text
+        assert [int(i) for i in response.headers["x-inferscale-fact-ids"].split(",")] == expected
+        assert metric(served, "inferscale_memory_facts_total", how="lead") == before + leading
+
+
 async def test_recompute_auto_keeps_a_sure_answer_and_recomputes_an_unsure_one(served, smol, cfg,
                                                                                engine, embedder):
     """Under ``"recompute": "auto"`` a request gets exactly the answer of every fact injected
-    (m = 0) where its first token is sure, and exactly the tail-recomputed answer (m = 2)
-    otherwise; streamed or not; the client never sees logprobs it did not ask for, nor a token
-    of the abandoned attempt (the stream holds one answer, whole)."""
+    (m = 0) where its first token is sure, exactly the tail-recomputed answer (m = 2)
+    otherwise, and exactly text prefill's where that one is unsure too; streamed or not; the
+    client never sees logprobs it did not ask for, nor a token of an abandoned attempt (the
+    stream holds one answer, whole)."""
     from inferscale.devstack.chat_client import stream_chat
 
     encoder, store = smol
@@ -448,15 +480,21 @@ async def test_recompute_auto_keeps_a_sure_answer_and_recomputes_an_unsure_one(s
     # (no prefix-cache hit computes a shorter tail), so equal answers are exact by construction.
     plain = {m: served.chat(user, question, k=5, recompute=m, max_tokens=8,
                             cache_salt=uuid.uuid4().hex).json() for m in (0, 2)}
+    plain["text"] = served.chat(user, question, k=5, mode="text", recompute=2, max_tokens=8,
+                                cache_salt=uuid.uuid4().hex).json()
     decided = metric(served, "inferscale_recompute_auto_total")
-    for margin, decision, m in ((0.0, "kept", 0), (1e9, "recomputed", 2)):
-        options = {"recompute": "auto", "recompute_margin": margin}
+    for margin, text_margin, decision, m in ((0.0, 1e9, "kept", 0), (1e9, 0.0, "recomputed", 2),
+                                             (1e9, 1e9, "text", "text")):
+        options = {"recompute": "auto", "recompute_margin": margin,
+                   "recompute_text_margin": text_margin}
         response = served.chat(user, question, max_tokens=8, inferscale={"k": 5, **options},
                                cache_salt=uuid.uuid4().hex)
         assert response.status_code == 200, response.text
         assert response.headers["x-inferscale-recompute-auto"] == decision
-        assert response.headers["x-inferscale-recompute"] == str(m)
+        assert response.headers["x-inferscale-mode"] == ("text" if m == "text" else "inject")
+        assert response.headers["x-inferscale-recompute"] == str(2 if m == "text" else m)
         assert float(response.headers["x-inferscale-first-margin"]) >= 0
+        assert ("x-inferscale-tail-margin" in response.headers) == (m == "text")
         choice = response.json()["choices"][0]
         assert choice["message"]["content"] == plain[m]["choices"][0]["message"]["content"]
         assert choice["logprobs"] is None
@@ -468,15 +506,16 @@ async def test_recompute_auto_keeps_a_sure_answer_and_recomputes_an_unsure_one(s
         assert streamed.headers["x-inferscale-recompute-auto"] == decision
         assert streamed.text == plain[m]["choices"][0]["message"]["content"]
         assert with_logprobs.text == streamed.text and len(with_logprobs.first_top) == 1
-    assert metric(served, "inferscale_recompute_auto_total", decision="kept") + metric(
-        served, "inferscale_recompute_auto_total", decision="recomputed") == decided + 6
+    assert sum(metric(served, "inferscale_recompute_auto_total", decision=outcome)
+               for outcome in ("kept", "recomputed", "text")) == decided + 9
     # An abandoned stream is aborted in the engine, not generated to its end: here the first
     # attempt would go on for 64 tokens (no end of sequence), the answer has 64.
     generated = metric(served, "vllm:generation_tokens_total")
     body = {"model": "inferscale", "user": user, "stream": True, "max_tokens": 64,
             "ignore_eos": True, "temperature": 0,
             "messages": [{"role": "user", "content": question}],
-            "inferscale": {"k": 5, "recompute": "auto", "recompute_margin": 1e9}}
+            "inferscale": {"k": 5, "recompute": "auto", "recompute_margin": 1e9,
+                           "recompute_text_margin": 0}}
     async with httpx.AsyncClient(timeout=120) as client, client.stream(
             "POST", f"{served.url}/v1/chat/completions", json=body) as response:
         assert response.headers["x-inferscale-recompute-auto"] == "recomputed"

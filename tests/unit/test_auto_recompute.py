@@ -170,3 +170,20 @@ def test_any_cut_of_a_stream_releases_nothing_before_and_everything_after_the_de
             assert logprobs is None
         else:
             assert len(logprobs["content"][0]["top_logprobs"]) == min(asked, 3)
+
+
+def test_the_tail_recomputed_attempt_is_gated_only_where_a_text_margin_is_set():
+    """The second attempt's gate takes the text threshold (and has no third gate after it);
+    without a text threshold the second attempt answers as it comes."""
+    auto = AutoRecompute(0.5, 3, 2, text_threshold=0.125)
+    second = auto.then()
+    assert second is not None
+    assert (second.threshold, second.client_top_logprobs, second.tail) == (0.125, 3, 2)
+    assert second.then() is None
+    assert AutoRecompute(0.5, None, 2).then() is None
+    # A tie at the second attempt abandons it; a clear answer is released.
+    tie = sse(chunk("a", [-0.7, -0.7]))
+    gate, sent, _ = run_gate(second, SSE, tie, [])
+    assert (gate.decision, sent) == ("recomputed", [])
+    gate, sent, _ = run_gate(second, SSE, sse(chunk("a", [-0.1, -2.0])), [])
+    assert gate.decision == "kept" and sent

@@ -56,6 +56,8 @@ def test_no_owner_means_no_memory_and_key_scales_off_means_zero():
     ({"recompute_margin": -0.1}, "recompute_margin"),
     ({"recompute_margin": "nan"}, "recompute_margin"),
     ({"recompute_margin": [1]}, "recompute_margin"),
+    ({"recompute_text_margin": -1}, "recompute_text_margin"),
+    ({"recompute_text_margin": "inf"}, "recompute_text_margin"),
     ({"agent_id": ""}, "agent_id"), ({"agent_id": 7}, "agent_id"),
     ({"agent_id": "a\x00"}, "agent_id"), ({"run_id": "r" * 257}, "run_id"),
     ({"run_id": ["r"]}, "run_id"),
@@ -109,14 +111,16 @@ def test_a_bad_owner_is_a_400(owner):
 
 @settings(max_examples=300, deadline=None)
 @given(options=json_values | st.dictionaries(
-    st.sampled_from(["mode", "k", "recompute", "recompute_margin", "order", "lead",
+    st.sampled_from(["mode", "k", "recompute", "recompute_margin", "recompute_text_margin",
+                     "order", "lead",
                      "key_scales", "agent_id", "run_id"]), json_values),
        headers=st.dictionaries(st.sampled_from(["x-inferscale-k", "x-inferscale-lead",
                                                 "x-inferscale-key-scales", "x-inferscale-user",
                                                 "x-inferscale-agent-id",
                                                 "x-inferscale-run-id",
                                                 "x-inferscale-recompute",
-                                                "x-inferscale-recompute-margin"]),
+                                                "x-inferscale-recompute-margin",
+                                                "x-inferscale-recompute-text-margin"]),
                                st.text(max_size=12)))
 def test_hostile_options_are_read_or_refused_with_a_400(options, headers):
     tried("front end: memory options")
@@ -129,5 +133,6 @@ def test_hostile_options_are_read_or_refused_with_a_400(options, headers):
         assert 0.0 <= read.key_scales <= 1.0
         assert read.recompute == "auto" or 0 <= read.recompute <= MAX_K
         assert 0.0 <= read.recompute_margin < float("inf")
+        assert 0.0 <= read.recompute_text_margin < float("inf")
         assert all(0 < len(value) <= 256 and "\x00" not in value
                    for _, value in read.scope.items())

@@ -47,13 +47,16 @@ def print_table(headers: list[str], rows: list[list]) -> None:
 
 
 def auto_costs(decisions: list[str | None], ttfts: list[float]) -> dict | None:
-    """Under recompute auto (each request's ``x-inferscale-recompute-auto``: kept or
-    recomputed): the share answered again with the tail recomputed and the TTFT (p50 / p99) of
-    those kept and of those recomputed; None where no request was under recompute auto."""
+    """Under recompute auto (each request's ``x-inferscale-recompute-auto``: kept, recomputed or
+    text): the share of each later attempt (answered again with the tail recomputed, or with
+    every fact as text), the mean TTFT and the TTFT (p50 / p99) of each outcome; None where no
+    request was under recompute auto."""
     if not any(decisions):
         return None
-    out: dict = {"recomputed_share": decisions.count("recomputed") / len(decisions)}
-    for decision in ("kept", "recomputed"):
+    out: dict = {"recomputed_share": decisions.count("recomputed") / len(decisions),
+                 "text_share": decisions.count("text") / len(decisions),
+                 "ttft_mean_s": statistics.mean(ttfts)}
+    for decision in ("kept", "recomputed", "text"):
         chosen = [t for t, d in zip(ttfts, decisions, strict=True) if d == decision]
         out[f"ttft_{decision}_p50_s"] = statistics.median(chosen) if chosen else None
         out[f"ttft_{decision}_p99_s"] = percentile(chosen, 99)
