@@ -56,11 +56,18 @@ def blob_checksum(tensors: list[torch.Tensor], kv_format: str = RAW,
                   algorithm: str = CHECKSUM_ALGORITHM) -> str:
     """Hex digest over the raw bytes of ``tensors`` (K, V, the token ids, then the params of
     a coded blob) and, for a coded blob, its format's name (a relabelled blob fails it)."""
+    return _digest([t.contiguous().view(torch.uint8).numpy().data for t in tensors], kv_format,
+                   algorithm)
+
+
+def _digest(buffers: list[memoryview], kv_format: str, algorithm: str) -> str:
+    """``blob_checksum`` of tensors given as their bytes (a read blob's slices of its buffer:
+    no tensor op per tensor)."""
     if algorithm not in _HASHES:
         raise ValueError(f"unknown checksum algorithm {algorithm!r}")
     digest = _HASHES[algorithm]()
-    for tensor in tensors:
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
+    for buffer in buffers:
+        digest.update(buffer)
     if kv_format != RAW:
         digest.update(kv_format.encode())
     return digest.hexdigest()
@@ -97,10 +104,18 @@ _TENSORS = ("k", "v", "token_ids")
 _PARAMS = ("k_params", "v_params")
 
 
-def _views(raw: bytes | bytearray | memoryview
-           ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A blob's tensors as views into its buffer, and its metadata. A read-only buffer
-    (``bytes``) is copied once; a writable one is used in place."""
+@dataclass(frozen=True)
+class _Read:
+    """A blob's tensors as views into its buffer, their bytes there, and its metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    spans: dict[str, memoryview]
+    metadata: dict[str, Any]
+
+
+def _views(raw: bytes | bytearray | memoryview) -> _Read:
+    """A blob's tensors as views into its buffer. A read-only buffer (``bytes``) is copied once;
+    a writable one is used in place."""
     buffer = memoryview(raw)
     if buffer.readonly:
         buffer = memoryview(bytearray(buffer))
@@ -118,21 +133,22 @@ def _views(raw: bytes | bytearray | memoryview
     names = _TENSORS if metadata.get("kv_format", RAW) == RAW else _TENSORS + _PARAMS
     if set(header) - {"__metadata__"} != set(names):
         raise ValueError(f"expected exactly the tensors {list(names)}")
-    body = buffer[8 + header_len:]
-    data = torch.frombuffer(body, dtype=torch.uint8) if body.nbytes else torch.empty(
-        0, dtype=torch.uint8)
-    tensors = {}
+    body_start, body_bytes = 8 + header_len, buffer.nbytes - 8 - header_len
+    tensors, spans = {}, {}
     for name in names:
         entry = header[name]
         dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
         start, end = entry["data_offsets"]
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0
-                                                for n in (*shape, start, end))
-                and start <= end <= data.numel()
+        if not (type(shape) is list and set(map(type, shape)) <= {int}
+                and type(start) is int and type(end) is int and min(shape, default=0) >= 0
+                and 0 <= start <= end <= body_bytes
                 and end - start == math.prod(shape) * dtype.itemsize):
             raise ValueError(f"tensor {name}: shape {shape} does not fit its data offsets")
-        tensors[name] = data[start:end].view(dtype).view(shape)
-    return tensors, metadata
+        spans[name] = buffer[body_start + start:body_start + end]
+        tensors[name] = (torch.frombuffer(buffer, dtype=dtype, offset=body_start + start,
+                                          count=(end - start) // dtype.itemsize)
+                         if end > start else torch.empty(0, dtype=dtype)).view(shape)
+    return _Read(tensors, spans, metadata)
 
 
 def _stored(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> KVPiece:
@@ -166,19 +182,20 @@ def decode_blob(raw: bytes | bytearray | memoryview, known_checksum: str | None 
     """Decode a blob (its tensors are views into ``raw``); the checksum is None when the content
     does not match its own. ``known_checksum``: what these very bytes were verified to hold
     before (not hashed again if the blob still names it)."""
-    tensors, metadata = _views(raw)
-    stored = _stored(tensors, metadata)
+    read = _views(raw)
+    metadata = read.metadata
+    stored = _stored(read.tensors, metadata)
     if known_checksum is not None and known_checksum == metadata["checksum"]:
         checksum = known_checksum
     else:
         names = _TENSORS if stored.bits == RAW_BITS else _TENSORS + _PARAMS
-        checksum = blob_checksum([tensors[name] for name in names],
-                                 str(metadata.get("kv_format", RAW)),
-                                 metadata.get("checksum_algorithm", "sha256"))
+        checksum = _digest([read.spans[name] for name in names],
+                           str(metadata.get("kv_format", RAW)),
+                           metadata.get("checksum_algorithm", "sha256"))
     verified = checksum if checksum == metadata["checksum"] else None
     blob = KVBlob(k=stored.k, v=stored.v, bits=stored.bits, k_params=stored.k_params,
                   v_params=stored.v_params, out_dtype=stored.out_dtype,
-                  token_ids=tensors["token_ids"].tolist(),
+                  token_ids=read.tensors["token_ids"].tolist(),
                   fingerprint=str(metadata["fingerprint"]), window=int(metadata["window"]),
                   checksum=verified)
     return blob, verified

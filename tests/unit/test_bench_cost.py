@@ -4,7 +4,8 @@ nothing; a tight one holds the tier under it after every round; blob bytes follo
 import numpy as np
 import pytest
 
-from inferscale.lab.bench.cost import Policy, blob_bytes, fact_bytes, simulate
+from inferscale.lab.bench.cost import Policy, blob_bytes, fact_bytes, lead_share_of, simulate
+from inferscale.platform.settings import Settings
 
 TTFT = {"host": 0.1, "disk": 0.15, "cold": 1.0}
 
@@ -41,3 +42,11 @@ def test_fact_bytes_follow_the_format(kv_format):
     both = fact_bytes(shape, [40, 44, 48], kv_format, kv_format)
     assert both == pytest.approx(2 * coded, rel=0.01)
     assert fact_bytes(shape, [44], kv_format, None) == coded
+    assert fact_bytes(shape, [44], kv_format, kv_format, 0.25) == pytest.approx(1.25 * coded)
+
+
+def test_the_lead_share_counts_small_memories_whole():
+    small, large = Settings(window=10, lead_share=0.25), Settings(window=10, lead_share=0.0)
+    assert lead_share_of([4, 6], small) == 1.0  # every fact of a memory under the window
+    assert lead_share_of([110], small) == pytest.approx((10 + 25) / 110)
+    assert lead_share_of([110], large) == pytest.approx(10 / 110)

@@ -2,10 +2,10 @@
 does for a population of users.
 
 Bytes (measured): the dev conversations' facts (the ``turn`` extractor's), tokenized as the
-layout renders them, stored as the encode stage stores them (a blob and a lead blob per fact)
-in every format; K/V are random (a blob's size depends on its shape only: nothing is entropy
-coded), in the served model's shape and in Llama-3.1-8B's (32 layers, 8 KV heads, head_dim
-128, bf16).
+layout renders them, stored as the encode stage stores them (a blob per fact, a lead blob per
+fact that gets one) in every format; K/V are random (a blob's size depends on its shape only:
+nothing is entropy coded), in the served model's shape and in Llama-3.1-8B's (32 layers, 8 KV
+heads, head_dim 128, bf16).
 
 Population (a model of the budget policy of ``db/kv_budget.py`` and the encode stage, whose
 SQL the integration tests pin): ``users`` users, each with the facts of a dev conversation
@@ -49,17 +49,27 @@ def blob_bytes(shape: tuple[int, int, int], tokens: int, kv_format: str) -> int:
     return len(encode_blob(k, v, [0] * tokens, "0" * 64, 0, kv_format)[0])
 
 
+def lead_share_of(memory_sizes: list[int], settings: Settings) -> float:
+    """The share of facts the encode stage gives a lead blob (``workers/encode.py``), at most:
+    every fact of a memory's first ``window`` (as if each was encoded before the next arrived),
+    then ``lead_share`` of the rest."""
+    w = settings.window
+    leads = sum(min(n, w) + settings.lead_share * max(n - w, 0) for n in memory_sizes)
+    return leads / sum(memory_sizes)
+
+
 def fact_bytes(shape: tuple[int, int, int], token_counts: list[int], body: str,
-               lead: str | None) -> float:
-    """Mean bytes at rest per fact (its blob, and its lead blob unless ``lead`` is None) over
-    facts of these token counts; exact per distinct count (a count's bytes are affine in it)."""
+               lead: str | None, lead_share: float = 1.0) -> float:
+    """Mean bytes at rest per fact (its blob, and ``lead_share`` of a lead blob unless ``lead``
+    is None) over facts of these token counts; exact per distinct count (a count's bytes are
+    affine in it)."""
     low, high = min(token_counts), max(token_counts)
     per = {}
     for kv_format in {body, lead} - {None}:
         a, b = blob_bytes(shape, low, str(kv_format)), blob_bytes(shape, high, str(kv_format))
         slope = (b - a) / max(high - low, 1)
         per[kv_format] = statistics.mean(a + slope * (n - low) for n in token_counts)
-    return per[body] + (per[lead] if lead is not None else 0.0)
+    return per[body] + (per[lead] * lead_share if lead is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -202,24 +212,26 @@ def run(settings: Settings, data: Path, model_path: Path, out_dir: Path, ttft_re
     served = (model_config.num_hidden_layers, model_config.num_key_value_heads,
               model_head_dim(model_config))
     lead = settings.lead_kv_format or kv_format if settings.lead_encoding else None
+    lead_share = lead_share_of([len(m) for m in memories], settings)
     formats = {"raw": ("raw", "raw"), kv_format: (kv_format, lead)}
     bytes_rows: list[dict[str, Any]] = []
     for model, shape in (("served", served), ("llama-3.1-8b", LLAMA_8B)):
         for name in FORMATS:
             per_fact = fact_bytes(shape, tokens, name, name)
-            bytes_rows.append({"model": model, "format": name, "lead": True,
-                               "bytes_per_fact": per_fact,
+            bytes_rows.append({"model": model, "format": name, "lead": name,
+                               "lead_share": 1.0, "bytes_per_fact": per_fact,
                                "bytes_per_user": per_fact * len(tokens) / conversations})
         body, lead_format = formats[kv_format]
-        per_fact = fact_bytes(shape, tokens, body, lead_format)
+        per_fact = fact_bytes(shape, tokens, body, lead_format, lead_share)
         bytes_rows.append({"model": model, "format": f"{body} (default)", "lead": lead_format,
-                           "bytes_per_fact": per_fact,
+                           "lead_share": lead_share, "bytes_per_fact": per_fact,
                            "bytes_per_user": per_fact * len(tokens) / conversations})
     for row in bytes_rows:
         raw = next(r for r in bytes_rows if r["model"] == row["model"] and r["format"] == "raw")
         row["share_of_raw"] = row["bytes_per_fact"] / raw["bytes_per_fact"]
-    print_table(["model", "format", "lead", "bytes / fact", "MB / user", "share of raw"],
-                [[r["model"], r["format"], r["lead"], int(r["bytes_per_fact"]),
+    print_table(["model", "format", "lead", "facts with a lead", "bytes / fact", "MB / user",
+                 "share of raw"],
+                [[r["model"], r["format"], r["lead"], r["lead_share"], int(r["bytes_per_fact"]),
                   r["bytes_per_user"] / 1e6, r["share_of_raw"]] for r in bytes_rows])
 
     rng = np.random.default_rng(seed)
@@ -245,7 +257,7 @@ def run(settings: Settings, data: Path, model_path: Path, out_dir: Path, ttft_re
                   r["hit_rate_last_hour"], r["host_hit_rate"], r["reencoded_users_per_hour"],
                   r["reencode_queue_at_end"], r["ttft_p50_s"], r["ttft_p99_s"]] for r in runs])
     report = {"users": users, "rate_per_s": rate, "zipf_a": zipf_a, "hours": hours, "k": k,
-              "kv_format": kv_format, "lead_format": lead, "ttft_s": ttft,
+              "kv_format": kv_format, "lead_format": lead, "lead_share": lead_share, "ttft_s": ttft,
               "ttft_report": str(ttft_report), "raw_population_bytes": raw_total,
               "facts_per_user_mean": float(facts_per_user.mean()), "bytes": bytes_rows,
               "runs": runs}

@@ -1,9 +1,10 @@
 """Page-in latency of one request's blobs by KV format at rest: host tier vs local directory vs
 the S3 bucket the settings name (``INFERSCALE_KV_URL=s3://...``, if any), one at a time vs
 concurrently, read into fresh buffers vs the host arena (new chunks, or blocks that evicted
-blobs gave back); and the fused CPU write of the paged-in blobs into a paged cache (where coded
-blobs are dequantised), for a sliding-window model also as it would be with only the blocks
-inside each local layer's window."""
+blobs gave back), and cold on a warm server (blobs it never read, hashed to verify them, into
+arena blocks given back); and the fused CPU write of the paged-in blobs into a paged cache
+(where coded blobs are dequantised), for a sliding-window model also as it would be with only
+the blocks inside each local layer's window."""
 
 from __future__ import annotations
 
@@ -138,6 +139,27 @@ def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: st
     return statistics.median(samples) * 1e3
 
 
+def _cold_ms(durable: Durable, shape: tuple[int, int, int], dtype: torch.dtype, k: int,
+             kv_format: str, concurrent: bool) -> float:
+    """Median ms to page in k blobs a running server has never read (hashed to verify them)
+    into arena blocks that earlier page-ins faulted in and gave back: a warm server's page-in
+    of another user's memory. Each repeat reads blobs of its own."""
+    sets = [_write_blobs(durable, shape, dtype, k, kv_format)[0] for _ in range(REPEATS + 1)]
+    store = KVStore(durable, FINGERPRINT, host_bytes=1 << 34)
+    samples = []
+    for names in sets:  # the first set warms the arena and the threads up
+        began = time.perf_counter()
+        if concurrent:
+            store.load_many(names, [None] * len(names))
+        else:
+            for name in names:
+                store.load(name)
+        samples.append(time.perf_counter() - began)
+        store.evict([store.location_for(name) for name in names])
+    store.delete([store.location_for(name) for names in sets for name in names])
+    return statistics.median(samples[1:]) * 1e3
+
+
 def run(settings: Settings, model_path: Path, out_dir: Path,
         ks: tuple[int, ...] = (20, 50), formats: tuple[str, ...] = tuple(FORMATS)) -> dict:
     """Write max(ks) blobs of the serving model's shape (bf16) in each format to each durable
@@ -162,6 +184,10 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                     results.append({
                         "tier": tier, "format": kv_format, "k": k, "blob_bytes": blob_bytes,
                         "host_tier_ms": _request_ms(durable, names[:k], True, "warm"),
+                        "cold_sequential_ms": _cold_ms(durable, shape, dtype, k, kv_format,
+                                                       False),
+                        "cold_concurrent_ms": _cold_ms(durable, shape, dtype, k, kv_format,
+                                                       True),
                         "sequential_ms": _request_ms(durable, names[:k], False, "arena"),
                         "fresh_buffers_ms": _request_ms(durable, names[:k], True, "fresh"),
                         "concurrent_ms": _request_ms(durable, names[:k], True, "arena"),
@@ -174,16 +200,20 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
     for row in results:  # against raw blobs of the same tier and k, in this run
         raw = next((r for r in results if r["format"] == RAW and r["tier"] == row["tier"]
                     and r["k"] == row["k"]), None)
-        row["concurrent_speedup_vs_raw"] = (raw["concurrent_ms"] / row["concurrent_ms"]
-                                            if raw else None)
-    print_table(["durable tier", "format", "k", "blob KB", "host tier ms", "one by one ms",
-                 "concurrent, fresh buffers ms", "concurrent, arena ms",
-                 "concurrent, arena reused ms", "x raw (arena)", "fused write ms",
-                 "write in windows ms"],
+        for mode in ("concurrent", "cold_sequential", "cold_concurrent", "reused"):
+            row[f"{mode}_speedup_vs_raw"] = (raw[f"{mode}_ms"] / row[f"{mode}_ms"]
+                                             if raw else None)
+    print_table(["durable tier", "format", "k", "blob KB", "host tier ms", "cold, one by one ms",
+                 "cold, concurrent ms", "x raw (cold, one by one)", "x raw (cold, concurrent)",
+                 "one by one ms", "concurrent, fresh buffers ms", "concurrent, arena ms",
+                 "concurrent, arena reused ms", "x raw (arena)", "x raw (reused)",
+                 "fused write ms", "write in windows ms"],
                 [[r["tier"], r["format"], r["k"], r["blob_bytes"] / 1e3, r["host_tier_ms"],
+                  r["cold_sequential_ms"], r["cold_concurrent_ms"],
+                  r["cold_sequential_speedup_vs_raw"], r["cold_concurrent_speedup_vs_raw"],
                   r["sequential_ms"], r["fresh_buffers_ms"], r["concurrent_ms"],
-                  r["reused_ms"], r["concurrent_speedup_vs_raw"], r["fused_write_ms"],
-                  r["fused_write_windows_ms"]]
+                  r["reused_ms"], r["concurrent_speedup_vs_raw"], r["reused_speedup_vs_raw"],
+                  r["fused_write_ms"], r["fused_write_windows_ms"]]
                  for r in results])
     report = {"tokens_per_fact": TOKENS_PER_FACT, "repeats": REPEATS, "results": results}
     write_report(out_dir, "pagein", report)
