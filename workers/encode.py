@@ -34,6 +34,7 @@ from inferscale.db.encode_queue import (
     STORAGE_FAILURE,
     PendingFact,
     claim_backfill_facts,
+    claim_migrating_facts,
     claim_pending_facts,
     mark_backfill_due,
     quarantine_crashed_facts,
@@ -78,6 +79,7 @@ class EncodeStats:
     encoded: int = 0
     reencoded: int = 0  # of those, facts encoded again after a wider context (backfill)
     restored: int = 0  # of those, facts whose KV had been evicted, wanted back by a request
+    migrated: int = 0  # of those, facts whose KV had been made for another model
     failed: int = 0
     batches: int = 0
 
@@ -188,6 +190,11 @@ class EncodeWorker(BatchStage):
             if not pending and self._backfill:
                 pending = await claim_backfill_facts(conn, s.encode_batch_size, s.window,
                                                      s.encode_lease_s, s.encode_max_crashes)
+            if not pending and s.encode_migrate:
+                pending = await claim_migrating_facts(
+                    conn, s.encode_batch_size, s.window, s.encode_lease_s,
+                    s.encode_max_crashes, self.store.fingerprint, s.encode_context,
+                    self._backfill)
         if quarantined:
             log.error("quarantined facts %s: workers died %d times while encoding each (they "
                       "are served as text)", quarantined, s.encode_max_crashes)
@@ -206,6 +213,11 @@ class EncodeWorker(BatchStage):
         gone = await retry_transient(lambda: self._record(done, failures, users), self._db_retry)
         if gone:  # their user was forgotten meanwhile: leave no KV of theirs behind
             await loop.run_in_executor(None, self.store.delete, [r["location"] for r in gone])
+        kept = [r for r in done if r not in gone]
+        if replaced := [r["replaced"] for r in kept if r["replaced"] not in (None, r["location"])]:
+            await loop.run_in_executor(None, self.store.delete, replaced)  # another model's
+            self.stats.migrated += len(replaced)
+            observe.KV_MIGRATED_FACTS.inc(len(replaced))
         self.stats.batches += 1
         self.stats.encoded += len(done) - len(gone)
         reencoded = sum(r["reencode"] for r in done) - sum(r["reencode"] for r in gone)
@@ -300,7 +312,7 @@ class EncodeWorker(BatchStage):
             rows.append({
                 "id": fact.id, "claim": fact.claim, "token_ids": span.token_ids,
                 "window": self.settings.window, "context_facts": len(fact.context),
-                "reencode": fact.reencode, "restored": fact.restored,
+                "reencode": fact.reencode, "restored": fact.restored, "replaced": fact.replaced,
                 "fingerprint": self.store.fingerprint,
                 "location": stored.location, "checksum": stored.checksum,
                 "nbytes": stored.nbytes + (stored_lead.nbytes if stored_lead else 0),

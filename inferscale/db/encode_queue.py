@@ -38,6 +38,7 @@ class PendingFact:
     claim: int  # the claim's number: only its holder records the outcome
     reencode: bool = False
     restored: bool = False  # its KV was evicted, and a request wants it back
+    replaced: str | None = None  # its KV before (another model's): removed once replaced
 
 # A claimed fact's encoding context, most adjacent first (the caller reverses it): the
 # ``window`` facts that precede it in its conversation, or the ``window`` earlier facts of its
@@ -75,6 +76,8 @@ _CANDIDATES = {
               AND (encode_error IS NULL OR encode_error NOT LIKE :quarantined)""",
     "backfill": """backfill_due AND kv_location IS NOT NULL
               AND (encode_error IS NULL OR encode_error LIKE :storage_failure)""",
+    "migrate": """kv_location IS NOT NULL AND model_fingerprint IS DISTINCT FROM :fingerprint
+              AND (encode_error IS NULL OR encode_error LIKE :storage_failure)""",
 }
 
 # A fact is claimable while it is a candidate, live, past its backoff and its lease, and has
@@ -95,9 +98,9 @@ _CLAIM = """
             LIMIT :limit
             FOR UPDATE SKIP LOCKED))
         RETURNING id, user_id, conversation_id, ts, text, embedding, encode_attempts,
-                  encode_claims, kv_wanted_at IS NOT NULL AS restored
+                  encode_claims, kv_wanted_at IS NOT NULL AS restored, kv_location
     )
-    SELECT f.id, f.user_id, f.text, f.encode_claims, f.restored,
+    SELECT f.id, f.user_id, f.text, f.encode_claims, f.restored, f.kv_location,
            COALESCE(ARRAY({context}), '{{}}') AS context
     FROM claimed f {ranked_a} {ranked_b}
     ORDER BY f.encode_attempts, f.id
@@ -135,20 +138,33 @@ async def claim_backfill_facts(conn: AsyncConnection, limit: int, window: int, l
     return await _claim_facts(conn, "backfill", limit, window, 0, lease_s, max_crashes,
                               "neighbours", True)
 
+async def claim_migrating_facts(conn: AsyncConnection, limit: int, window: int,
+                                lease_s: float, max_crashes: int, fingerprint: str,
+                                context: str = "turns", backfill: bool = False
+                                ) -> list[PendingFact]:
+    """Lease up to ``limit`` facts whose KV was made for another model than ``fingerprint``,
+    with their encoding context, as ``claim_pending_facts`` leases pending ones: a fleet moving
+    to a new model encodes its memory again instead of serving it as text for good. Each comes
+    with the location of the KV it replaces. A failed migration (other than in storage) is not
+    tried again: the fact keeps the KV it has."""
+    return await _claim_facts(conn, "migrate", limit, window, 0, lease_s, max_crashes, context,
+                              backfill, fingerprint)
+
 async def _claim_facts(conn: AsyncConnection, kind: str, limit: int, window: int,
                        max_attempts: int, lease_s: float, max_crashes: int, context: str,
-                       backfill: bool) -> list[PendingFact]:
+                       backfill: bool, fingerprint: str | None = None) -> list[PendingFact]:
     params = {"limit": limit, "window": window, "max_attempts": max_attempts,
               "storage_failure": f"{STORAGE_FAILURE}:%", "lease_s": lease_s,
               "max_crashes": max_crashes, "quarantined": f"{QUARANTINED}:%",
-              "backfill": backfill and window > 0}
+              "backfill": backfill and window > 0, "fingerprint": fingerprint}
     claim = _CLAIMS[kind, context]
     rows = (await conn.execute(claim, {**params, "suspect": True, "limit": 1})).all()
     if not rows:
         rows = (await conn.execute(claim, {**params, "suspect": False})).all()
     return [PendingFact(id=r.id, user_id=r.user_id, text=r.text,
                         context=list(reversed(r.context)), claim=r.encode_claims,
-                        reencode=kind == "backfill", restored=r.restored) for r in rows]
+                        reencode=kind == "backfill", restored=r.restored,
+                        replaced=r.kv_location if kind == "migrate" else None) for r in rows]
 
 _MARK_BACKFILL = text("""
     UPDATE facts e SET backfill_due = true

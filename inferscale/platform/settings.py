@@ -128,13 +128,19 @@ class Settings(BaseSettings):
     # user has that many (again, if it was encoded before); served after 19 others, the first
     # facts drifted most (docs/results/fidelity.md).
     encode_backfill: bool = True
+    # Model migration: when nothing else waits, the encode stage encodes again the facts whose
+    # KV was made for another model (and removes that KV), so a fleet that moves to a new model
+    # injects its memory again instead of serving it as text for good. Turn it on for the
+    # workers of the model moved to only: two fleets with it on would take turns forever.
+    encode_migrate: bool = False
     # Lead encoding: the worker also stores a fact's KV encoded after the preamble alone, and
     # the server injects it for the fact it serves first (right after the preamble, where that
-    # encoding is exact) unless a request says "lead": false. A request needs one lead blob, not
-    # one per fact: lead_share of the facts (chosen by a hash of their id) and every fact of a
-    # small memory (encoded after fewer than ``window`` others, or backfilled) get one, and the
-    # server serves first the least relevant retrieved fact that holds one (docs/results/cost.md).
+    # encoding is exact) unless a request says "lead": false.
     lead_encoding: bool = True
+    # A request needs one lead blob, not one per fact: this share of the facts (chosen by a hash
+    # of their id) and every fact of a small memory (encoded after fewer than ``window`` others,
+    # or backfilled) get one, and the server serves first the least relevant retrieved fact
+    # that holds one (docs/results/cost.md).
     lead_share: float = Field(default=0.25, ge=0, le=1, allow_inf_nan=False)
     # How facts' K/V are stored at rest (``contracts/kv_format.py``): "raw" (the model's KV
     # dtype as encoded) or integer codes, keys per channel and values per token ("int8",

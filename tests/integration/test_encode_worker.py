@@ -597,3 +597,41 @@ async def _live_records(engine, user):
 
     async with engine.connect() as conn:
         return await list_facts(conn, user, 0, 100)
+
+
+async def test_a_fleet_moving_to_another_model_encodes_its_memory_again(
+        settings, engine, embedder, tiny_encoder, tiny_models, tmp_path):
+    """Facts encoded for one model are served as text by another; with ``encode_migrate`` the
+    new model's workers encode them again, when nothing else waits, and remove the old KV.
+    Without it they leave them be."""
+    user = f"move-{uuid.uuid4().hex[:6]}"
+    turns = sample_turns(user)[:5]
+    durable = LocalDir(tmp_path / "kv")
+    old = KVStore(durable, model_fingerprint(tiny_models["llama"]), host_bytes=1 << 30)
+    await _ingest(settings, engine, embedder, turns)
+    await EncodeWorker(settings, engine, tiny_encoder, old).run(drain=True)
+    before = await _user_facts(engine, user)
+    assert {r.model_fingerprint for r in before} == {old.fingerprint}
+    new_encoder = FactEncoder(tiny_models["qwen2"], device="cpu", dtype=torch.float32)
+    new = KVStore(durable, model_fingerprint(tiny_models["qwen2"]), host_bytes=1 << 30)
+    staying = await EncodeWorker(settings, engine, new_encoder, new).run(drain=True)
+    assert staying.encoded == 0
+    moving = settings.model_copy(update={"encode_migrate": True})
+    moved = await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)
+    assert moved.migrated >= len(before) and moved.failed == 0  # (and earlier tests' facts)
+    after = await _user_facts(engine, user)
+    assert [r.id for r in after] == [r.id for r in before]
+    fresh = KVStore(durable, new.fingerprint, host_bytes=1 << 30)
+    for row in after:
+        assert row.model_fingerprint == new.fingerprint and row.kv_location.startswith(
+            new.fingerprint[:16])
+        blob = fresh.get(row.kv_location, row.kv_checksum)  # verifies checksum + fingerprint
+        expected = new_encoder.encode([new_encoder.fact_item(row.text, [])])[0]
+        assert blob.shape == expected.k.shape  # the new model's KV
+        if row.kv_lead_checksum:
+            assert fresh.load(lead_name(row.id), row.kv_lead_checksum).window == 0
+    # The old model's blobs (and lead blobs) are gone; nothing is left to migrate.
+    assert not any(durable.exists(r.kv_location) for r in before)
+    assert not [p for p in (tmp_path / "kv" / old.fingerprint[:16]).rglob("*.safetensors")
+                if p.name.split(".")[0] in {str(r.id) for r in before}]
+    assert (await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)).encoded == 0
