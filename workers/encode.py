@@ -12,6 +12,12 @@ marked because their user now has 3 x ``window`` facts are encoded again after a
 Their blob is replaced in place (same name, new checksum): servers page the new one in, since a
 memory tier serves a blob only under the checksum the plan expects.
 
+Lead blobs (``lead_share``): a fact gets a second blob, encoded after the preamble alone, where
+its owner's memory is small or its id hashes into the share; servers put one such fact first.
+
+Model migration (``encode_migrate``): when nothing else waits, facts whose KV was made for
+another model are encoded for this one; the other model's blobs go once the row names the new.
+
 KV budget (``kv_budget_bytes``, ``kv_user_budget_bytes``): every ``kv_evict_interval_s`` the
 stage evicts the KV of the least recently served users (and each user's oldest encodings beyond
 their budget), rows first, then blobs (``db/kv_budget.py``); evicted facts are served as text
@@ -33,6 +39,7 @@ from inferscale.contracts.plan import holds_lead, lead_name
 from inferscale.db.encode_queue import (
     STORAGE_FAILURE,
     PendingFact,
+    Recorded,
     claim_backfill_facts,
     claim_migrating_facts,
     claim_pending_facts,
@@ -179,7 +186,7 @@ class EncodeWorker(BatchStage):
 
     async def encode_pending(self) -> int:
         """Encode one batch of pending facts (when none are pending, of facts due for
-        backfill); returns how many facts it handled."""
+        backfill, then of facts of another model to migrate); returns how many it handled."""
         s = self.settings
         async with self.engine.begin() as conn:
             quarantined = await quarantine_crashed_facts(conn, s.encode_max_crashes)
@@ -189,7 +196,8 @@ class EncodeWorker(BatchStage):
                                                 self._backfill)
             if not pending and self._backfill:
                 pending = await claim_backfill_facts(conn, s.encode_batch_size, s.window,
-                                                     s.encode_lease_s, s.encode_max_crashes)
+                                                     s.encode_lease_s, s.encode_max_crashes,
+                                                     self.store.fingerprint)
             if not pending and s.encode_migrate:
                 pending = await claim_migrating_facts(
                     conn, s.encode_batch_size, s.window, s.encode_lease_s,
@@ -210,12 +218,15 @@ class EncodeWorker(BatchStage):
                      extra={"fact_ids": [row["id"] for row in done],
                             "reencoded_ids": [row["id"] for row in done if row["reencode"]]})
         users = sorted({fact.user_id for fact in pending})
-        gone = await retry_transient(lambda: self._record(done, failures, users), self._db_retry)
+        outcome = await retry_transient(lambda: self._record(done, failures, users),
+                                        self._db_retry)
+        gone = outcome.gone
         if gone:  # their user was forgotten meanwhile: leave no KV of theirs behind
             await loop.run_in_executor(None, self.store.delete, [r["location"] for r in gone])
-        kept = [r for r in done if r not in gone]
-        if replaced := [r["replaced"] for r in kept if r["replaced"] not in (None, r["location"])]:
-            await loop.run_in_executor(None, self.store.delete, replaced)  # another model's
+        # KV that was another model's (a migration): removed once the row names the new KV
+        if replaced := [r["replaced"] for r in outcome.recorded
+                        if r["replaced"] not in (None, r["location"])]:
+            await loop.run_in_executor(None, self.store.delete, replaced)
             self.stats.migrated += len(replaced)
             observe.KV_MIGRATED_FACTS.inc(len(replaced))
         self.stats.batches += 1
@@ -244,19 +255,19 @@ class EncodeWorker(BatchStage):
             raise
 
     async def _record(self, done: list[dict], failures: list[tuple[PendingFact, str]],
-                      users: list[str]) -> list[dict]:
+                      users: list[str]) -> Recorded:
         """Commit the batch's outcomes (ending its leases) and mark the batch's users' early
-        facts for backfill where due; returns the rows of deleted facts."""
+        facts for backfill where due."""
         s = self.settings
         async with self.engine.begin() as conn:
-            gone = await record_encoded(conn, done)
+            recorded = await record_encoded(conn, done)
             for fact, error in failures:
                 await record_encode_failure(conn, fact, error, s.encode_retry_base_s,
                                             s.encode_retry_max_s)
             if self._backfill:
                 await mark_backfill_due(conn, users, s.window)
             failpoints.hit("encode.before_db_commit")
-        return gone
+        return recorded
 
     def _encode_and_store(self, pending: list[PendingFact]
                           ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
@@ -288,7 +299,7 @@ class EncodeWorker(BatchStage):
     def _encode_batch(self, pending: list[PendingFact]
                       ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
         """One forward pass for the batch (and one for its lead encodings: the facts after the
-        preamble alone, where they have context), then the durable writes per fact; a write
+        preamble alone, where ``_wants_lead``), then the durable writes per fact; a write
         that fails (disk full, ...) fails only its fact, and the batch is not encoded again."""
         items = [self.encoder.fact_item(f.text, f.context) for f in pending]
         leading = [f for f in pending if self._wants_lead(f)]

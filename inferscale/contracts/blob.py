@@ -144,6 +144,8 @@ def _views(raw: bytes | bytearray | memoryview) -> _Read:
                 and 0 <= start <= end <= body_bytes
                 and end - start == math.prod(shape) * dtype.itemsize):
             raise ValueError(f"tensor {name}: shape {shape} does not fit its data offsets")
+        if (body_start + start) % dtype.itemsize:  # the kernels read whole elements
+            raise ValueError(f"tensor {name}: misaligned for {entry['dtype']}")
         spans[name] = buffer[body_start + start:body_start + end]
         tensors[name] = (torch.frombuffer(buffer, dtype=dtype, offset=body_start + start,
                                           count=(end - start) // dtype.itemsize)

@@ -1,6 +1,6 @@
-"""The encode queue in the facts table: leased claims of facts waiting for KV (or a backfill),
-their outcomes fenced by claim number, retries with backoff, quarantine of facts that kill
-workers. All SQL is parameterized."""
+"""The encode queue in the facts table: leased claims of facts waiting for KV (or a backfill, or
+a migration to another model), their outcomes fenced by claim number, retries with backoff,
+quarantine of facts that kill workers. All SQL is parameterized."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class PendingFact:
     claim: int  # the claim's number: only its holder records the outcome
     reencode: bool = False
     restored: bool = False  # its KV was evicted, and a request wants it back
-    replaced: str | None = None  # its KV before (another model's): removed once replaced
+    replaced: str | None = None  # where its KV was: removed once replaced elsewhere
 
 # A claimed fact's encoding context, most adjacent first (the caller reverses it): the
 # ``window`` facts that precede it in its conversation, or the ``window`` earlier facts of its
@@ -75,6 +75,7 @@ _CANDIDATES = {
               AND (encode_attempts < :max_attempts OR encode_error LIKE :storage_failure)
               AND (encode_error IS NULL OR encode_error NOT LIKE :quarantined)""",
     "backfill": """backfill_due AND kv_location IS NOT NULL
+              AND (CAST(:fingerprint AS text) IS NULL OR model_fingerprint = :fingerprint)
               AND (encode_error IS NULL OR encode_error LIKE :storage_failure)""",
     "migrate": """kv_location IS NOT NULL AND model_fingerprint IS DISTINCT FROM :fingerprint
               AND (encode_error IS NULL OR encode_error LIKE :storage_failure)""",
@@ -131,12 +132,14 @@ async def claim_pending_facts(conn: AsyncConnection, limit: int, window: int, ma
                               max_crashes, context, backfill)
 
 async def claim_backfill_facts(conn: AsyncConnection, limit: int, window: int, lease_s: float,
-                               max_crashes: int) -> list[PendingFact]:
-    """Lease up to ``limit`` facts marked for re-encoding (``mark_backfill_due``), with their
-    backfill context, as ``claim_pending_facts`` leases pending ones. A re-encoding that fails
-    (other than in storage) is not tried again: the fact keeps the KV it has."""
+                               max_crashes: int, fingerprint: str | None = None
+                               ) -> list[PendingFact]:
+    """Lease up to ``limit`` facts marked for re-encoding (``mark_backfill_due``; whose KV was
+    made for the model ``fingerprint``, where given), with their backfill context, as
+    ``claim_pending_facts`` leases pending ones. A re-encoding that fails (other than in
+    storage) is not tried again: the fact keeps the KV it has."""
     return await _claim_facts(conn, "backfill", limit, window, 0, lease_s, max_crashes,
-                              "neighbours", True)
+                              "neighbours", True, fingerprint)
 
 async def claim_migrating_facts(conn: AsyncConnection, limit: int, window: int,
                                 lease_s: float, max_crashes: int, fingerprint: str,
@@ -164,7 +167,7 @@ async def _claim_facts(conn: AsyncConnection, kind: str, limit: int, window: int
     return [PendingFact(id=r.id, user_id=r.user_id, text=r.text,
                         context=list(reversed(r.context)), claim=r.encode_claims,
                         reencode=kind == "backfill", restored=r.restored,
-                        replaced=r.kv_location if kind == "migrate" else None) for r in rows]
+                        replaced=r.kv_location) for r in rows]
 
 _MARK_BACKFILL = text("""
     UPDATE facts e SET backfill_due = true
@@ -195,14 +198,21 @@ async def quarantine_crashed_facts(conn: AsyncConnection, max_crashes: int) -> l
             f"{QUARANTINED}: worker died ", crashes, " times while encoding it"))
         .returning(facts.c.id))).scalars())
 
-async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> list[dict]:
+@dataclass(frozen=True)
+class Recorded:
+    """What ``record_encoded`` did with each row."""
+
+    recorded: list[dict]  # stored: the fact's KV is the row's now
+    gone: list[dict]  # the fact is gone (forgotten, or retired by an update): remove the blobs
+    superseded: list[dict]  # claimed again since (the lease ran out): left to the newer claim
+
+
+async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> Recorded:
     """Store KV metadata of encoded facts and end their leases. Each dict: id, claim,
     token_ids, window, context_facts, fingerprint, location, nbytes, checksum, lead_checksum
-    (or None). A fact claimed again since (its lease ran out) is left to the newer claim.
-    Returns the rows whose fact is gone (its user was forgotten, or the fact retired by an
-    update, while it was encoded): their blobs must be removed."""
+    (or None). A fact claimed again since (its lease ran out) is left to the newer claim."""
     if not rows:
-        return []
+        return Recorded([], [], [])
     await conn.execute(
         update(facts).where(facts.c.id == bindparam("fid"),
                             facts.c.encode_claims == bindparam("claim")).values(
@@ -220,10 +230,14 @@ async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> list[di
     )
     # The updated rows are locked now: a deletion or an update either came before (the row is
     # missing or retired here) or waits for this commit (and then removes the blob itself).
-    present = set((await conn.execute(
-        select(facts.c.id).where(facts.c.id.in_([r["id"] for r in rows]),
-                                 facts.c.deleted_at.is_(None)))).scalars())
-    return [r for r in rows if r["id"] not in present]
+    claims = dict((await conn.execute(
+        select(facts.c.id, facts.c.encode_claims).where(
+            facts.c.id.in_([r["id"] for r in rows]), facts.c.deleted_at.is_(None)))).all())
+    return Recorded(
+        recorded=[r for r in rows if claims.get(r["id"]) == r["claim"]],
+        gone=[r for r in rows if r["id"] not in claims],
+        superseded=[r for r in rows if r["id"] in claims and claims[r["id"]] != r["claim"]])
+
 
 async def record_encode_failure(conn: AsyncConnection, fact: PendingFact, error: str,
                                 base_s: float, max_s: float) -> None:

@@ -140,7 +140,8 @@ class Settings(BaseSettings):
     # A request needs one lead blob, not one per fact: this share of the facts (chosen by a hash
     # of their id) and every fact of a small memory (encoded after fewer than ``window`` others,
     # or backfilled) get one, and the server serves first the least relevant retrieved fact
-    # that holds one (docs/results/cost.md).
+    # that holds one (in relevance order; in time order the first fact uses a lead blob only
+    # where it holds one) (docs/results/cost.md).
     lead_share: float = Field(default=0.25, ge=0, le=1, allow_inf_nan=False)
     # How facts' K/V are stored at rest (``contracts/kv_format.py``): "raw" (the model's KV
     # dtype as encoded) or integer codes, keys per channel and values per token ("int8",

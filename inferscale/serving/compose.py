@@ -143,7 +143,10 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
     if options.order == "time":
         facts.sort(key=lambda f: f.id)
     else:
-        facts = lead_first(facts[::-1], rt.fingerprint, options.recompute)
+        # Never one of the facts a tail recompute (explicit or auto's) prefills: every attempt
+        # and mode of a request reads the same order.
+        facts = lead_first(facts[::-1], rt.fingerprint,
+                           max(options.recompute, rt.settings.recompute_auto_tail))
     head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
     injectable = [f for f in head if f.kv_location and f.token_ids
                   and f.model_fingerprint == rt.fingerprint]
@@ -175,9 +178,10 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
 
 def lead_first(facts: list[RetrievedFact], fingerprint: str, tail: int) -> list[RetrievedFact]:
     """Facts best last, with the least relevant one holding a lead blob for this model moved
-    first (where it is not in the recomputed tail): a request needs one lead blob, and most facts
-    have none (``lead_share``). The same order in every memory mode, so injected and prefilled
-    answers read the same prompt."""
+    first (never one of the best ``tail``): a request needs one lead blob, and most facts have
+    none (``lead_share``). The same order in every memory mode, so injected and prefilled
+    answers read the same prompt. Where none holds one, the first fact is injected from its
+    own blob."""
     head = len(facts) - tail
     leader = next((i for i, f in enumerate(facts[:max(head, 0)])
                    if f.kv_lead_checksum and f.model_fingerprint == fingerprint), None)

@@ -73,6 +73,7 @@ FRONTEND_METRICS = _FrontendMetrics(
     purged_blobs=Counter("inferscale_purged_blobs",
                          "Invalidated blobs dropped from the workers' host/device tiers"),
     auto_recompute=Counter("inferscale_recompute_auto",
-                           "Requests under recompute auto: first answer kept, or answered "
-                           "again with the tail recomputed", ["decision"]),
+                           "Requests under recompute auto by the attempt that answered: kept "
+                           "(every fact injected), recomputed (the tail), text (every fact)",
+                           ["decision"]),
 )

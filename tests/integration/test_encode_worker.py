@@ -352,7 +352,7 @@ async def test_a_failed_reencoding_keeps_the_facts_kv_and_is_not_retried(
 
 async def test_forget_removes_user_everywhere_and_spares_others(settings, engine, embedder,
                                                                 tiny_encoder, tmp_path):
-    settings = settings.model_copy(update={"window": 2})
+    settings = settings.model_copy(update={"window": 2, "lead_share": 1.0})
     victim, other = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("victim", "other"))
     await _ingest(settings, engine, embedder, sample_turns(victim)[:6] + sample_turns(other)[:6])
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)

@@ -434,8 +434,9 @@ async def test_memory_that_changes_is_served_as_it_is_now(served, smol, cfg, eng
 async def test_a_fact_holding_a_lead_blob_is_served_first_in_every_mode(served, smol, cfg,
                                                                          engine, embedder):
     """Only some facts hold a lead blob; a request serves first the least relevant retrieved
-    fact that holds one (the rest best last, as ranked), in the same order injected or
-    prefilled as text, and that fact is injected from its lead blob."""
+    fact that holds one, outside the tail a recompute may prefill (the rest best last, as
+    ranked), in the same order injected or prefilled as text, and that fact is injected from
+    its lead blob."""
     encoder, store = smol
     turns = sample_turns()
     user = turns[0].user_id
@@ -450,7 +451,8 @@ async def test_a_fact_holding_a_lead_blob_is_served_first_in_every_mode(served, 
     hits = httpx.post(f"{served.url}/v1/memory/users/{user}/search", timeout=60,
                       json={"query": question, "k": len(rows)}).json()["hits"]
     best_last = [h["id"] for h in hits][::-1]
-    leader = next(i for i in best_last if i in leads)
+    tail = served.settings.recompute_auto_tail  # never moved: a recompute may prefill them
+    leader = next(i for i in best_last[:-tail] if i in leads)
     expected = [leader] + [i for i in best_last if i != leader]
     assert expected != best_last  # the least relevant fact holds no lead: the order moved
     for mode, leading in (("inject", 1), ("text", 0)):
@@ -506,8 +508,18 @@ async def test_recompute_auto_keeps_a_sure_answer_and_recomputes_an_unsure_one(s
         assert streamed.headers["x-inferscale-recompute-auto"] == decision
         assert streamed.text == plain[m]["choices"][0]["message"]["content"]
         assert with_logprobs.text == streamed.text and len(with_logprobs.first_top) == 1
+    # The default path: the tail attempt behind a gate of its own, released unless it is a tie.
+    gated = served.chat(user, question, max_tokens=8, cache_salt=uuid.uuid4().hex, inferscale={
+        "k": 5, "recompute": "auto", "recompute_margin": 1e9, "recompute_text_margin": 1e-9})
+    assert gated.status_code == 200, gated.text
+    outcome, tail_margin = (gated.headers["x-inferscale-recompute-auto"],
+                            float(gated.headers["x-inferscale-tail-margin"]))
+    assert (outcome, tail_margin >= 1e-9) in (("recomputed", True), ("text", False))
+    expected = plain[2 if outcome == "recomputed" else "text"]["choices"][0]["message"]
+    assert gated.json()["choices"][0]["message"]["content"] == expected["content"]
+    assert gated.json()["choices"][0]["logprobs"] is None
     assert sum(metric(served, "inferscale_recompute_auto_total", decision=outcome)
-               for outcome in ("kept", "recomputed", "text")) == decided + 9
+               for outcome in ("kept", "recomputed", "text")) == decided + 10
     # An abandoned stream is aborted in the engine, not generated to its end: here the first
     # attempt would go on for 64 tokens (no end of sequence), the answer has 64.
     generated = metric(served, "vllm:generation_tokens_total")

@@ -113,6 +113,8 @@ def _forgeries() -> list[tuple[str, bytes]]:
         ("misaligned tensor", edit(lambda h: h["token_ids"].update(
             data_offsets=[h["token_ids"]["data_offsets"][0] - 1,
                           h["token_ids"]["data_offsets"][1] - 1]))),
+        ("misaligned keys", edit(lambda h: h["k"].update(
+            data_offsets=[h["k"]["data_offsets"][0] + 1, h["k"]["data_offsets"][1] + 1]))),
         ("metadata a list", edit(lambda h: h.update(__metadata__=[]))),
         ("no fingerprint", edit(lambda h: h["__metadata__"].pop("fingerprint"))),
         ("token ids as floats", edit(lambda h: h["token_ids"].update(dtype="F32"))),

@@ -15,7 +15,8 @@ def test_the_lead_share_is_a_stable_hash_of_the_fact_id():
     ids = range(1, 20_001)
     chosen = [i for i in ids if holds_lead(i, 0.25)]
     assert 0.23 < len(chosen) / len(ids) < 0.27
-    assert chosen == [i for i in ids if holds_lead(i, 0.25)]  # every worker, every time
+    # Every worker, every process, every version: the choice is part of what is stored.
+    assert [i for i in range(1, 41) if holds_lead(i, 0.25)] == [3, 9, 14, 16, 21, 25, 30, 38]
     # Runs of consecutive ids (one conversation's facts) are not all in or all out.
     assert all(0 < sum(holds_lead(i, 0.25) for i in range(s, s + 40)) < 40
                for s in range(1, 2_000, 40))

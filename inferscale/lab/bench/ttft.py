@@ -1,7 +1,7 @@
 """TTFT vs k over HTTP: inject (host tier, disk tier; the server's default tail recompute, and
 m = 0 and m = 2 beside it) vs vLLM's prefix-cache hit vs text prefill vs no memory, same facts
 and order, with the host time of each stage per request and, under recompute auto, the share
-of requests answered again with the tail recomputed and their TTFT."""
+of requests answered again with the tail recomputed (or every fact as text) and their TTFT."""
 
 from __future__ import annotations
 
@@ -203,7 +203,8 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
                       by["inject-m0"]["ttft_median_s"] / hit["ttft_median_s"],
                       by["inject-m2"]["ttft_median_s"] / hit["ttft_median_s"],
                       disk["ttft_median_s"] / hit["ttft_median_s"],
-                      auto.get("recomputed_share", ""), auto.get("ttft_recomputed_p50_s") or "",
+                      auto.get("recomputed_share", ""), auto.get("text_share", ""),
+                      auto.get("ttft_recomputed_p50_s") or "",
                       auto.get("ttft_recomputed_p99_s") or "",
                       int(by["text"]["prompt_tokens"]), int(inject["injected_tokens"]),
                       round(hit["computed_tokens"]), round(inject["computed_tokens"])])
@@ -213,7 +214,8 @@ def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
                               row["engine_ttft_mean_s"] * 1000, hit["engine_ttft_mean_s"] * 1000])
     print_table(["k", "none p50", "text p50", "prefix-hit p50", "inject p50", "m=0 p50",
                  "m=2 p50", "inject-disk p50", "text/inject", "inject/hit", "m=0/hit",
-                 "m=2/hit", "disk/hit", "auto: recomputed", "recomputed p50", "recomputed p99",
+                 "m=2/hit", "disk/hit", "auto: recomputed", "auto: text", "recomputed p50",
+                 "recomputed p99",
                  "prompt tok", "injected tok", "computed tok hit", "computed tok inject"], table)
     print("host ms per request by stage, page-ins hashed / of known versions per request, and "
           "vLLM's mean engine TTFT (ms):")
