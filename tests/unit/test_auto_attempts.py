@@ -1,0 +1,95 @@
+"""Recompute auto's attempts through the front end (pure logic over ASGI, a fake engine): one
+attempt answers, whole: the first where its first token is sure, else the tail-recomputed one,
+else (a tie there too) every fact as text; the client gets that attempt's bytes only, the
+headers of the attempts that decided, and one count of the outcome."""
+
+import asyncio
+import json
+
+import pytest
+from prometheus_client import REGISTRY
+
+from inferscale.serving.auto_recompute import AutoRecompute
+from inferscale.serving.frontend import MemoryFrontend, _Downstream, _Rewritten
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+
+
+def _engine(margins: dict[str, float]):
+    """An OpenAI-style streaming engine: each request names its attempt; the first token's
+    top-2 margin is the attempt's."""
+    async def app(scope, receive, send):
+        attempt = json.loads((await receive())["body"])["attempt"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for token in ("one ", "two"):
+            top = [{"token": "x", "logprob": -0.1},
+                   {"token": "y", "logprob": -0.1 - margins[attempt]}]
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"{attempt}:{token}"},
+                                  "logprobs": {"content": [{"token": token, "logprob": -0.1,
+                                                            "top_logprobs": top}]}}]}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + json.dumps(chunk).encode() + b"\n\n"})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": False})
+    return app
+
+
+def _count(outcome: str) -> float:
+    return REGISTRY.get_sample_value("inferscale_recompute_auto_total",
+                                     {"decision": outcome}) or 0.0
+
+
+@pytest.mark.parametrize(("margins", "text_threshold", "outcome", "margin_headers"), [
+    ({"kept": 0.9}, 0.125, "kept", {"x-inferscale-first-margin": "0.900"}),
+    ({"kept": 0.1, "recomputed": 0.5}, 0.125, "recomputed",
+     {"x-inferscale-first-margin": "0.100", "x-inferscale-tail-margin": "0.500"}),
+    ({"kept": 0.1, "recomputed": 0.0, "text": 0.0}, 0.125, "text",
+     {"x-inferscale-first-margin": "0.100", "x-inferscale-tail-margin": "0.000"}),
+    ({"kept": 0.1, "recomputed": 0.0}, 0.0, "recomputed", {"x-inferscale-first-margin": "0.100"}),
+])
+async def test_one_attempt_answers_whole_with_the_headers_that_decided(
+        margins, text_threshold, outcome, margin_headers):
+    frontend = MemoryFrontend(_engine(margins))
+    asked = []
+
+    async def retry(tail_only: bool, gated: bool) -> tuple[bytes, dict[str, str]]:
+        attempt = "recomputed" if tail_only else "text"
+        asked.append((attempt, gated))
+        return json.dumps({"attempt": attempt}).encode(), {"x-inferscale-attempt": attempt}
+
+    rewritten = _Rewritten(json.dumps({"attempt": "kept"}).encode(),
+                           {"x-inferscale-attempt": "kept"},
+                           AutoRecompute(0.5, None, 2, text_threshold), retry)
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def client_receive():
+        await asyncio.Event().wait()  # the client stays connected
+
+    client = _Downstream(client_receive)
+    before = {o: _count(o) for o in ("kept", "recomputed", "text")}
+    try:
+        await frontend._answer_auto(SCOPE, client, send, rewritten)
+    finally:
+        client.close()
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert len(starts) == 1 and starts[0]["status"] == 200
+    headers = {k.decode(): v.decode() for k, v in starts[0]["headers"]}
+    assert headers["x-inferscale-recompute-auto"] == outcome
+    assert headers["x-inferscale-attempt"] == outcome  # the answering attempt's own headers
+    assert {k: v for k, v in headers.items() if k.endswith("-margin")} == margin_headers
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    events = [json.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events) == (
+        f"{outcome}:one {outcome}:two")
+    assert body.endswith(b"data: [DONE]\n\n")
+    if outcome != "text" and text_threshold:  # a gate read it: the client asked for none
+        assert all(e["choices"][0]["logprobs"] is None for e in events)
+    expected = {"kept": [], "recomputed": [("recomputed", text_threshold > 0)],
+                "text": [("recomputed", True), ("text", False)]}[outcome]
+    assert asked == expected
+    assert {o: _count(o) - before[o] for o in before} == {
+        o: float(o == outcome) for o in before}
