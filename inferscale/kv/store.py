@@ -18,7 +18,7 @@ import hashlib
 import threading
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
@@ -273,18 +273,6 @@ class KVStore:
         self.host.put(location, blob)
         return blob
 
-    def _page_in_all(self, wanted: list[tuple[str, str | None]]
-                     ) -> list[KVBlob | Exception]:
-        """``_page_in`` of each (location, checksum), in order; a failure is returned, not
-        raised, so the others are still paged in."""
-        out: list[KVBlob | Exception] = []
-        for location, checksum in wanted:
-            try:
-                out.append(self._page_in(location, checksum))
-            except Exception as exc:  # noqa: BLE001 - raised by get_many, in request order
-                out.append(exc)
-        return out
-
     def get(self, location: str, expected_checksum: str | None = None) -> KVBlob:
         """The blob on this store's device: device cache -> host cache -> durable (verified)."""
         sources: list[KVBlob] = []
@@ -303,25 +291,14 @@ class KVStore:
         sources: list[KVBlob] = []
         blobs = [self._from_memory(location, checksum, sources)
                  for location, checksum in zip(locations, checksums, strict=True)]
-        wanted = list(dict.fromkeys((location, checksum) for location, checksum, blob in zip(
-            locations, checksums, blobs, strict=True) if blob is None))
-        # One task per thread, each paging its share in turn: a task per blob hands the GIL
-        # back and forth between threads on every blob's Python work (small coded blobs paged
-        # in slower concurrently than one by one).
-        threads = max(min(self.durable.read_threads, len(wanted)), 1)
-        shares = [wanted[i::threads] for i in range(threads)]
-        tasks = [self._pool.submit(self._page_in_all, share) for share in shares if share]
-        wait(tasks)
-        misses = {key: result for share, task in zip(shares, tasks, strict=False)
-                  for key, result in zip(share, task.result(), strict=True)}
-        out = []
+        misses: dict[tuple[str, str | None], Future[KVBlob]] = {}
         for location, checksum, blob in zip(locations, checksums, blobs, strict=True):
-            if blob is None:
-                paged = misses[location, checksum]
-                if isinstance(paged, Exception):
-                    raise paged
-                blob = self._on_device(location, paged, sources)
-            out.append(blob)
+            if blob is None and (location, checksum) not in misses:
+                misses[location, checksum] = self._pool.submit(self._page_in, location, checksum)
+        wait(misses.values())
+        out = [blob if blob is not None else self._on_device(
+                   location, misses[location, checksum].result(), sources)
+               for location, checksum, blob in zip(locations, checksums, blobs, strict=True)]
         self._keep_until_copied(sources)
         return out
 
