@@ -53,7 +53,9 @@ async def _fact_id(engine, user: str) -> int:
 async def _user(tiny_served, settings, engine, embedder, encoder, store, *texts, window=0):
     user = f"exact-{uuid.uuid4().hex[:6]}"
     cfg = settings.model_copy(update={**{k: getattr(tiny_served.settings, k) for k in (
-        "model_path", "kv_dir", "data_dir", "kv_format")}, "window": window})
+        "model_path", "kv_dir", "data_dir", "kv_format")}, "window": window,
+        "lead_share": 1.0})  # every fact with context gets its lead blob (the share's own test
+    # is tests/integration/test_encode_worker.py)
     await ingest_and_encode(cfg, engine, embedder, [
         turn(user, f"t{i}", "Sam", text, day=i + 1) for i, text in enumerate(texts)],
         encoder, store)
