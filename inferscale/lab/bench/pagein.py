@@ -115,6 +115,17 @@ def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]
     return whole, _timed_ms(write_in_windows)
 
 
+def _page_in_s(store: KVStore, names: list[str], concurrent: bool) -> float:
+    """Seconds to page these blobs in: concurrently (as the connector does) or one by one."""
+    began = time.perf_counter()
+    if concurrent:
+        store.load_many(names, [None] * len(names))
+    else:
+        for name in names:
+            store.load(name)
+    return time.perf_counter() - began
+
+
 def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: str) -> float:
     """Median ms to page one request's blobs in. ``memory``: ``warm`` (host-tier hits),
     ``arena`` (a new store each time: its arena maps new chunks), ``fresh`` (a new store
@@ -129,13 +140,7 @@ def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: st
             kept.evict(locations)
         store = kept if memory in ("warm", "reused") else KVStore(
             durable, FINGERPRINT, host_bytes=1 << 34, arena_bytes=0 if memory == "fresh" else None)
-        began = time.perf_counter()
-        if concurrent:
-            store.load_many(names, [None] * len(names))
-        else:
-            for name in names:
-                store.load(name)
-        samples.append(time.perf_counter() - began)
+        samples.append(_page_in_s(store, names, concurrent))
     return statistics.median(samples) * 1e3
 
 
@@ -148,13 +153,7 @@ def _cold_ms(durable: Durable, shape: tuple[int, int, int], dtype: torch.dtype, 
     store = KVStore(durable, FINGERPRINT, host_bytes=1 << 34)
     samples = []
     for names in sets:  # the first set warms the arena and the threads up
-        began = time.perf_counter()
-        if concurrent:
-            store.load_many(names, [None] * len(names))
-        else:
-            for name in names:
-                store.load(name)
-        samples.append(time.perf_counter() - began)
+        samples.append(_page_in_s(store, names, concurrent))
         store.evict([store.location_for(name) for name in names])
     store.delete([store.location_for(name) for names in sets for name in names])
     return statistics.median(samples[1:]) * 1e3
