@@ -77,6 +77,12 @@ class Durable(ABC):
         ``alloc(size)``, by default ``fresh_buffer``); ``BlobMissing`` when there is none."""
         return self.read_versioned(location, alloc)[0]
 
+    def prefetch(self, locations: list[str]) -> None:
+        """Ask the storage to start fetching these blobs, which are about to be read (a hint:
+        nothing is read or checked here, and the reads report what is missing). Most storage
+        has no use for it."""
+        return None
+
     def read_versioned(self, location: str, alloc: Alloc | None = None
                        ) -> tuple[bytes | memoryview, Hashable | None]:
         """``read``, and the version of the blob read: two reads with equal versions read the
@@ -154,6 +160,24 @@ class LocalDir(Durable):
         # A read from the page cache, and its hash, keep a CPU busy: more threads than CPUs
         # only queue on the GIL (k = 50 on 2 CPUs: 17 ms with 2 threads, 26 ms with 8).
         self.read_threads = len(process_cpus())
+
+    def prefetch(self, locations: list[str]) -> None:
+        """Readahead of the whole files (``POSIX_FADV_WILLNEED``): a request's blobs that are
+        not in the page cache are read from the disk at once, not one per reading thread at a
+        time (k = 50 SmolLM2 blobs from the disk: 38.5 ms -> 27.8 ms, ``bench pagein``)."""
+        for location in locations:
+            if not valid_location(location):
+                continue
+            try:
+                fd = os.open(self.root / location, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # a filesystem without readahead: the reads just come one at a time
+            finally:
+                os.close(fd)
 
     def _read(self, location: str, alloc: Alloc) -> tuple[memoryview, Hashable | None]:
         """The file read with one copy into a buffer from ``alloc``, which the decoded tensors

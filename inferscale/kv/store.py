@@ -291,10 +291,13 @@ class KVStore:
         sources: list[KVBlob] = []
         blobs = [self._from_memory(location, checksum, sources)
                  for location, checksum in zip(locations, checksums, strict=True)]
-        misses: dict[tuple[str, str | None], Future[KVBlob]] = {}
-        for location, checksum, blob in zip(locations, checksums, blobs, strict=True):
-            if blob is None and (location, checksum) not in misses:
-                misses[location, checksum] = self._pool.submit(self._page_in, location, checksum)
+        wanted = list(dict.fromkeys((location, checksum) for location, checksum, blob
+                                    in zip(locations, checksums, blobs, strict=True)
+                                    if blob is None))
+        if len(wanted) > 1:  # the storage fetches them all while the threads read the first
+            self.durable.prefetch(list(dict.fromkeys(location for location, _ in wanted)))
+        misses: dict[tuple[str, str | None], Future[KVBlob]] = {
+            key: self._pool.submit(self._page_in, *key) for key in wanted}
         wait(misses.values())
         out = [blob if blob is not None else self._on_device(
                    location, misses[location, checksum].result(), sources)

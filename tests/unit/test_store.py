@@ -86,6 +86,25 @@ def test_delete_removes_every_tier(tmp_path):
     assert stored.location not in store.host and not (tmp_path / stored.location).exists()
 
 
+def test_a_batch_of_page_ins_is_prefetched_and_reads_what_a_single_get_reads(tmp_path):
+    """Readahead is a hint: whatever the locations name (nothing, a folder, outside the root),
+    prefetching raises nothing and the reads still report the missing blob."""
+    durable = LocalDir(tmp_path)
+    durable.prefetch(["nope/x.safetensors", "..", "a/../../etc/passwd", "", "\0", "/abs"])
+    writer = KVStore(durable, "f" * 64, host_bytes=0)
+    stored = [writer.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(4)]
+    (tmp_path / "ffffffffffffffff" / "folder.safetensors").mkdir()
+    reader = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
+    locations = [s.location for s in stored]
+    blobs = reader.get_many(locations + locations[:1], [s.checksum for s in stored] + [None])
+    for blob, i in zip(blobs, [0, 1, 2, 3, 0], strict=True):
+        assert torch.equal(blob.k, _kv(seed=i)[0]) and blob.token_ids == [i] * 5
+    with pytest.raises(BlobMissing):
+        KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0).get_many(
+            [locations[0], "ffffffffffffffff/folder.safetensors",
+             "ffffffffffffffff/00/gone.safetensors"], [None] * 3)
+
+
 def test_a_lead_blob_lives_and_dies_with_its_fact(tmp_path):
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     fact = store.put("9", *_kv(), [1] * 5, window=2)

@@ -2,7 +2,8 @@
 the S3 bucket the settings name (``INFERSCALE_KV_URL=s3://...``, if any), one at a time vs
 concurrently, read into fresh buffers vs the host arena (new chunks, or blocks that evicted
 blobs gave back), and cold on a warm server (blobs it never read, hashed to verify them, into
-arena blocks given back); and the fused CPU write of the paged-in blobs into a paged cache
+arena blocks given back), from the OS page cache and, for a local directory, from the disk
+itself; and the fused CPU write of the paged-in blobs into a paged cache
 (where coded blobs are dequantised), for a sliding-window model also as it would be with only
 the blocks inside each local layer's window."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import statistics
 import tempfile
 import time
@@ -144,15 +146,28 @@ def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: st
     return statistics.median(samples) * 1e3
 
 
+def _drop_from_page_cache(durable: LocalDir, locations: list[str]) -> None:
+    """Make the next reads of these (fsynced, so clean) files come from the disk."""
+    for location in locations:
+        fd = os.open(durable.root / location, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _cold_ms(durable: Durable, shape: tuple[int, int, int], dtype: torch.dtype, k: int,
-             kv_format: str, concurrent: bool) -> float:
+             kv_format: str, concurrent: bool, from_disk: bool = False) -> float:
     """Median ms to page in k blobs a running server has never read (hashed to verify them)
     into arena blocks that earlier page-ins faulted in and gave back: a warm server's page-in
-    of another user's memory. Each repeat reads blobs of its own."""
+    of another user's memory. Each repeat reads blobs of its own, from the OS page cache (they
+    were just written) or, ``from_disk`` (a local directory), from the disk."""
     sets = [_write_blobs(durable, shape, dtype, k, kv_format)[0] for _ in range(REPEATS + 1)]
     store = KVStore(durable, FINGERPRINT, host_bytes=1 << 34)
     samples = []
     for names in sets:  # the first set warms the arena and the threads up
+        if from_disk and isinstance(durable, LocalDir):
+            _drop_from_page_cache(durable, [store.location_for(name) for name in names])
         samples.append(_page_in_s(store, names, concurrent))
         store.evict([store.location_for(name) for name in names])
     store.delete([store.location_for(name) for names in sets for name in names])
@@ -164,7 +179,7 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
     """Write max(ks) blobs of the serving model's shape (bf16) in each format to each durable
     tier; time page-ins of k of them and their fused write. Local reads come from the OS page
     cache (the blobs were just written): what is measured is the read path, decode and
-    verification, not the disk."""
+    verification, not the disk, except in the "disk" columns."""
     ks = tuple(k for k in ks if k > 0)
     if not ks:
         raise ValueError("pagein needs some k > 0")
@@ -187,6 +202,11 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                                                        False),
                         "cold_concurrent_ms": _cold_ms(durable, shape, dtype, k, kv_format,
                                                        True),
+                        **({"disk_sequential_ms": _cold_ms(durable, shape, dtype, k, kv_format,
+                                                           False, from_disk=True),
+                            "disk_concurrent_ms": _cold_ms(durable, shape, dtype, k, kv_format,
+                                                           True, from_disk=True)}
+                           if isinstance(durable, LocalDir) else {}),
                         "sequential_ms": _request_ms(durable, names[:k], False, "arena"),
                         "fresh_buffers_ms": _request_ms(durable, names[:k], True, "fresh"),
                         "concurrent_ms": _request_ms(durable, names[:k], True, "arena"),
@@ -199,17 +219,22 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
     for row in results:  # against raw blobs of the same tier and k, in this run
         raw = next((r for r in results if r["format"] == RAW and r["tier"] == row["tier"]
                     and r["k"] == row["k"]), None)
-        for mode in ("concurrent", "cold_sequential", "cold_concurrent", "reused"):
+        for mode in ("concurrent", "cold_sequential", "cold_concurrent", "disk_sequential",
+                     "disk_concurrent", "reused"):
             row[f"{mode}_speedup_vs_raw"] = (raw[f"{mode}_ms"] / row[f"{mode}_ms"]
-                                             if raw else None)
+                                             if raw and f"{mode}_ms" in row else None)
     print_table(["durable tier", "format", "k", "blob KB", "host tier ms", "cold, one by one ms",
                  "cold, concurrent ms", "x raw (cold, one by one)", "x raw (cold, concurrent)",
+                 "disk, one by one ms", "disk, concurrent ms", "x raw (disk, one by one)",
+                 "x raw (disk, concurrent)",
                  "one by one ms", "concurrent, fresh buffers ms", "concurrent, arena ms",
                  "concurrent, arena reused ms", "x raw (arena)", "x raw (reused)",
                  "fused write ms", "write in windows ms"],
                 [[r["tier"], r["format"], r["k"], r["blob_bytes"] / 1e3, r["host_tier_ms"],
                   r["cold_sequential_ms"], r["cold_concurrent_ms"],
                   r["cold_sequential_speedup_vs_raw"], r["cold_concurrent_speedup_vs_raw"],
+                  r.get("disk_sequential_ms"), r.get("disk_concurrent_ms"),
+                  r["disk_sequential_speedup_vs_raw"], r["disk_concurrent_speedup_vs_raw"],
                   r["sequential_ms"], r["fresh_buffers_ms"], r["concurrent_ms"],
                   r["reused_ms"], r["concurrent_speedup_vs_raw"], r["reused_speedup_vs_raw"],
                   r["fused_write_ms"], r["fused_write_windows_ms"]]
