@@ -3,9 +3,9 @@ the S3 bucket the settings name (``INFERSCALE_KV_URL=s3://...``, if any), one at
 concurrently, read into fresh buffers vs the host arena (new chunks, or blocks that evicted
 blobs gave back), and cold on a warm server (blobs it never read, hashed to verify them, into
 arena blocks given back), from the OS page cache and, for a local directory, from the disk
-itself; and the fused CPU write of the paged-in blobs into a paged cache
-(where coded blobs are dequantised), for a sliding-window model also as it would be with only
-the blocks inside each local layer's window."""
+itself (a request's blobs prefetched, or not); and the fused CPU write of the paged-in blobs
+into a paged cache (where coded blobs are dequantised), for a sliding-window model also as it
+would be with only the blocks inside each local layer's window."""
 
 from __future__ import annotations
 
@@ -156,6 +156,13 @@ def _drop_from_page_cache(durable: LocalDir, locations: list[str]) -> None:
             os.close(fd)
 
 
+class _NoReadahead(LocalDir):
+    """A local directory whose page-ins are not prefetched (the baseline of readahead)."""
+
+    def prefetch(self, locations: list[str]) -> None:
+        return None
+
+
 def _cold_ms(durable: Durable, shape: tuple[int, int, int], dtype: torch.dtype, k: int,
              kv_format: str, concurrent: bool, from_disk: bool = False) -> float:
     """Median ms to page in k blobs a running server has never read (hashed to verify them)
@@ -205,7 +212,10 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                         **({"disk_sequential_ms": _cold_ms(durable, shape, dtype, k, kv_format,
                                                            False, from_disk=True),
                             "disk_concurrent_ms": _cold_ms(durable, shape, dtype, k, kv_format,
-                                                           True, from_disk=True)}
+                                                           True, from_disk=True),
+                            "disk_concurrent_no_readahead_ms": _cold_ms(
+                                _NoReadahead(durable.root), shape, dtype, k, kv_format, True,
+                                from_disk=True)}
                            if isinstance(durable, LocalDir) else {}),
                         "sequential_ms": _request_ms(durable, names[:k], False, "arena"),
                         "fresh_buffers_ms": _request_ms(durable, names[:k], True, "fresh"),
@@ -226,7 +236,7 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
     print_table(["durable tier", "format", "k", "blob KB", "host tier ms", "cold, one by one ms",
                  "cold, concurrent ms", "x raw (cold, one by one)", "x raw (cold, concurrent)",
                  "disk, one by one ms", "disk, concurrent ms", "x raw (disk, one by one)",
-                 "x raw (disk, concurrent)",
+                 "x raw (disk, concurrent)", "disk, concurrent, no readahead ms",
                  "one by one ms", "concurrent, fresh buffers ms", "concurrent, arena ms",
                  "concurrent, arena reused ms", "x raw (arena)", "x raw (reused)",
                  "fused write ms", "write in windows ms"],
@@ -235,6 +245,7 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                   r["cold_sequential_speedup_vs_raw"], r["cold_concurrent_speedup_vs_raw"],
                   r.get("disk_sequential_ms"), r.get("disk_concurrent_ms"),
                   r["disk_sequential_speedup_vs_raw"], r["disk_concurrent_speedup_vs_raw"],
+                  r.get("disk_concurrent_no_readahead_ms"),
                   r["sequential_ms"], r["fresh_buffers_ms"], r["concurrent_ms"],
                   r["reused_ms"], r["concurrent_speedup_vs_raw"], r["reused_speedup_vs_raw"],
                   r["fused_write_ms"], r["fused_write_windows_ms"]]
