@@ -164,7 +164,8 @@ class LocalDir(Durable):
     def prefetch(self, locations: list[str]) -> None:
         """Readahead of the whole files (``POSIX_FADV_WILLNEED``): a request's blobs that are
         not in the page cache are read from the disk at once, not one per reading thread at a
-        time (k = 50 SmolLM2 blobs from the disk: 38.5 ms -> 27.8 ms, ``bench pagein``)."""
+        time (``bench pagein``, SmolLM2 blobs from the disk, k = 20: raw 15.4 -> 12.2 ms, int4
+        8.3 -> 7.2 ms; ~10 us a file when they are cached)."""
         for location in locations:
             if not valid_location(location):
                 continue
