@@ -54,7 +54,7 @@ def first_token_log(encoder, example: Example, scales: torch.Tensor) -> torch.Te
     preamble, facts = example.runs
     k = example.k.float() * key_factor([(None, preamble), (scales, facts)],
                                        len(scales))[..., None, None]
-    cache = drift.memory_cache(encoder, k, example.v.float())
+    cache = drift.memory_cache(k, example.v.float())
     ids = torch.tensor(prompt.token_ids[prompt.memory_end:])
     out = encoder.model(input_ids=ids[None], past_key_values=cache,
                         position_ids=torch.arange(prompt.memory_end, len(prompt.token_ids))[None],

@@ -361,16 +361,33 @@ def compose(encoder: FactEncoder, memory: Memory, question: str, query: np.ndarr
     return Prompt(question, served, plan.token_ids, end, plan.fact_spans)
 
 
+def attention_masks(config, queries: torch.Tensor, entries: torch.Tensor, live: torch.Tensor
+                    ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Boolean ``[1, 1, queries, entries]`` mask (``queries`` and ``entries`` are positions):
+    causal over the ``live`` entries, within the window on sliding-window layers. A model with
+    both kinds of layer gets one mask per layer type, as its HF forward takes them."""
+    causal = (entries[None, :] <= queries[:, None]) & live[None, :]
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None)
+                or ["sliding_attention" if window else "full_attention"])
+    if not window or "sliding_attention" not in kinds:
+        return causal[None, None]
+    sliding = (causal & (queries[:, None] - entries[None, :] < window))[None, None]
+    return sliding if kinds == {"sliding_attention"} else {
+        "full_attention": causal[None, None], "sliding_attention": sliding}
+
+
 def _greedy(model, logits: torch.Tensor, cache, position: int, n: int,
-            stale: torch.Tensor | None = None) -> list[int]:
-    """n greedy tokens from ``logits`` (the next-token logits at ``position``); cache entries
-    flagged in ``stale`` (bool per entry) are masked out."""
+            entries: torch.Tensor | None = None, live: torch.Tensor | None = None) -> list[int]:
+    """n greedy tokens from ``logits`` (the next-token logits at ``position``); where given,
+    the cache's entries sit at positions ``entries`` and only the ``live`` ones are seen."""
     tokens = [int(logits.argmax())]
     while len(tokens) < n:
         mask = None
-        if stale is not None:
-            stale = torch.cat([stale, torch.zeros(1, dtype=torch.bool)])
-            mask = (~stale).view(1, 1, 1, -1)
+        if entries is not None and live is not None:
+            entries = torch.cat([entries, torch.tensor([position])])
+            live = torch.cat([live, torch.ones(1, dtype=torch.bool)])
+            mask = attention_masks(model.config, torch.tensor([position]), entries, live)
         out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
                     position_ids=torch.tensor([[position]]), attention_mask=mask,
                     use_cache=True, logits_to_keep=1)
@@ -410,15 +427,15 @@ def served_keys(rope: ChunkedRope, memory: KV, prompt: Prompt,
     return rope.rotate(k, torch.arange(prompt.memory_end), scales)
 
 
-def memory_cache(encoder: FactEncoder, k: torch.Tensor, v: torch.Tensor):
-    """An HF cache holding rotated keys ``k`` and values ``v`` [layers, tokens, heads, dim]."""
+def memory_cache(k: torch.Tensor, v: torch.Tensor):
+    """An HF cache holding rotated keys ``k`` and values ``v`` [layers, tokens, heads, dim],
+    every entry on every layer (sliding-window layers too: the masks apply their windows)."""
     from transformers import DynamicCache
 
     return DynamicCache(
         ddp_cache_data=[(k[layer].transpose(0, 1).unsqueeze(0).contiguous(),
                          v[layer].transpose(0, 1).unsqueeze(0).contiguous())
-                        for layer in range(k.shape[0])],
-        config=encoder.config)
+                        for layer in range(k.shape[0])])
 
 
 @torch.inference_mode()
@@ -428,24 +445,24 @@ def injected(encoder: FactEncoder, rope: ChunkedRope, memory: KV, prompt: Prompt
     """Inject the memory's K/V (``memory_kv``, keys as ``served_keys`` makes them), prefill
     the memory positions in ``recompute`` again (their injected entries masked out) and the
     tokens after the memory: first-token log-probs and n greedy tokens."""
-    cache = memory_cache(encoder, served_keys(rope, memory, prompt, key_scales), memory[1])
+    cache = memory_cache(served_keys(rope, memory, prompt, key_scales), memory[1])
     redo = torch.tensor(sorted(set(recompute)), dtype=torch.long)
     if redo.numel() and not (0 <= int(redo[0]) and int(redo[-1]) < prompt.memory_end):
         raise ValueError("recomputed positions must lie in the memory span")
     positions = torch.cat([redo, torch.arange(prompt.memory_end, len(prompt.token_ids))])
-    mask = stale = None
+    mask = entries = live = None
     if redo.numel():  # query i sees live entries at positions <= its own
-        stale = torch.zeros(prompt.memory_end + len(positions), dtype=torch.bool)
-        stale[redo] = True
+        live = torch.ones(prompt.memory_end + len(positions), dtype=torch.bool)
+        live[redo] = False
         entries = torch.cat([torch.arange(prompt.memory_end), positions])
-        mask = ((entries[None, :] <= positions[:, None]) & ~stale[None, :])[None, None]
+        mask = attention_masks(encoder.config, positions, entries, live)
     ids = torch.tensor(prompt.token_ids)[positions]
     out = encoder.model(input_ids=ids[None], past_key_values=cache,
                         position_ids=positions[None], attention_mask=mask, use_cache=True,
                         logits_to_keep=1)
     logits = out.logits[0, -1]
     tokens = _greedy(encoder.model, logits, out.past_key_values, len(prompt.token_ids), n,
-                     stale)
+                     entries, live)
     return torch.log_softmax(logits.double(), -1), tokens
 
 

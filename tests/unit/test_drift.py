@@ -29,9 +29,15 @@ def _questions(n: int, seed: int = 1) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def test_oracle_injection_equals_text_prefill(tiny_models):
+WINDOWED = ["llama", "mistral", "gemma3"]  # full attention, every layer slides, both kinds
+
+
+@pytest.mark.parametrize("kind", WINDOWED)
+def test_oracle_injection_equals_text_prefill(tiny_models, kind):
+    """Prompts longer than the sliding windows (32 and 48 tokens): a window applied wrongly to
+    the injected memory would show."""
     torch.manual_seed(0)
-    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    encoder = FactEncoder(tiny_models[kind], device="cpu", dtype=torch.float32)
     memory = _memory(encoder)
     result = measure(encoder, memory, _questions(3), ks=[4], strategies=["oracle", "none"],
                      w=2, log=lambda _: None)
@@ -91,12 +97,14 @@ def test_backfill_gives_a_users_first_facts_later_neighbours(tiny_models):
             assert [context] == neighbours.contexts(fact, (6,))
 
 
-def test_recomputing_every_fact_token_equals_text_prefill(tiny_models):
+@pytest.mark.parametrize("kind", WINDOWED)
+def test_recomputing_every_fact_token_equals_text_prefill(tiny_models, kind):
     """Selective recompute: prefilling memory positions again at their own positions, with
     their injected entries masked out, converges to text prefill when every fact token is
-    recomputed; recomputing nothing is plain injection."""
+    recomputed; recomputing nothing is plain injection. Sliding-window layers see only their
+    window of the injected and recomputed entries."""
     torch.manual_seed(0)
-    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    encoder = FactEncoder(tiny_models[kind], device="cpu", dtype=torch.float32)
     memory = _memory(encoder)
     specs = ["none", "none/first0", "none/first1000", "none/random1", "none/blend1",
              "none/random0.5", "none/blend0.5"]
