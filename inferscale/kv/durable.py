@@ -83,6 +83,13 @@ class Durable(ABC):
         has no use for it."""
         return None
 
+    def read_cached(self, location: str, alloc: Alloc | None = None
+                    ) -> tuple[bytes | memoryview, Hashable | None] | None:
+        """``read_versioned`` where the storage has the whole blob in memory and gives it at
+        once; None where that read would wait on a device or the network, or fail (the caller
+        then reads it as usual, and learns why). Most storage cannot tell: None."""
+        return None
+
     def read_versioned(self, location: str, alloc: Alloc | None = None
                        ) -> tuple[bytes | memoryview, Hashable | None]:
         """``read``, and the version of the blob read: two reads with equal versions read the
@@ -179,6 +186,29 @@ class LocalDir(Durable):
                 pass  # a filesystem without readahead: the reads just come one at a time
             finally:
                 os.close(fd)
+
+    def read_cached(self, location: str, alloc: Alloc | None = None
+                    ) -> tuple[memoryview, Hashable | None] | None:
+        """The file, if the OS page cache holds all of it: one read that may not wait on the
+        disk (``RWF_NOWAIT``); None otherwise (also for a file that is not there or grew)."""
+        if not valid_location(location):
+            return None
+        try:
+            fd = os.open(self.root / location, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            stat = os.fstat(fd)
+            # numpy's stubs declare ndarray.__buffer__ for Python 3.12+ only
+            buffer = memoryview((alloc or fresh_buffer)(stat.st_size))  # type: ignore[arg-type]
+            if (os.preadv(fd, [buffer], 0, os.RWF_NOWAIT) != stat.st_size
+                    or os.pread(fd, 1, stat.st_size)):
+                return None  # part of it is on the disk only, or it changed size
+            return buffer, file_version(stat)
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: a file system with no such reads
+            return None
+        finally:
+            os.close(fd)
 
     def _read(self, location: str, alloc: Alloc) -> tuple[memoryview, Hashable | None]:
         """The file read with one copy into a buffer from ``alloc``, which the decoded tensors

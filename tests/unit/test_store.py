@@ -105,6 +105,62 @@ def test_a_batch_of_page_ins_is_prefetched_and_reads_what_a_single_get_reads(tmp
              "ffffffffffffffff/00/gone.safetensors"], [None] * 3)
 
 
+class _SlowOdd(LocalDir):
+    """A directory whose odd-numbered blobs are not in memory (they take the threads' reads),
+    counting the reads of each kind."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.at_once, self.slow = [], []
+
+    def read_cached(self, location, alloc=None):
+        if int(location.rsplit("/", 1)[1].split(".")[0]) % 2:
+            return None
+        read = super().read_cached(location, alloc)
+        if read is not None:
+            self.at_once.append(location)
+        return read
+
+    def read_versioned(self, location, alloc=None):
+        self.slow.append(location)
+        return super().read_versioned(location, alloc)
+
+
+def test_page_ins_from_memory_are_read_at_once_and_checked_as_any_other(tmp_path):
+    """A blob in the OS page cache is read on the caller's thread, any other on the threads:
+    both give what ``get`` gives, and both refuse a damaged or unexpected blob."""
+    writer = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
+    stored = [writer.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(6)]
+    durable = LocalDir(tmp_path)
+    for s in stored:  # just written: in the page cache (on a file system that has one)
+        raw, version = durable.read_versioned(s.location)
+        cached = durable.read_cached(s.location)
+        assert cached is None or (bytes(cached[0]) == bytes(raw) and cached[1] == version)
+    (tmp_path / "ffffffffffffffff" / "folder.safetensors").mkdir()
+    for hostile in ["ffffffffffffffff/00/gone.safetensors", "ffffffffffffffff/folder.safetensors",
+                    "..", "a/../../etc/passwd", "", "\0", "/abs"]:
+        assert durable.read_cached(hostile) is None
+    split = _SlowOdd(tmp_path)
+    reader = KVStore(split, "f" * 64, host_bytes=1 << 20)
+    locations = [s.location for s in stored]
+    blobs = reader.get_many(locations, [s.checksum for s in stored])
+    for blob, i in zip(blobs, range(6), strict=True):
+        assert torch.equal(blob.k, _kv(seed=i)[0]) and torch.equal(blob.v, _kv(seed=i)[1])
+    assert set(locations[1::2]) <= set(split.slow)  # each blob read once, one way or the other
+    assert sorted(split.at_once + split.slow) == sorted(locations)
+    rewritten = writer.put("2", *_kv(seed=9), [9] * 5, window=0)
+    with pytest.raises(ChecksumMismatch):  # an at-once read of a blob not the one expected
+        KVStore(_SlowOdd(tmp_path), "f" * 64, host_bytes=0).get_many(
+            [locations[2], locations[1]], [stored[2].checksum, stored[1].checksum])
+    path = tmp_path / rewritten.location
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatch):  # damaged in place: the page cache has the damage
+        KVStore(_SlowOdd(tmp_path), "f" * 64, host_bytes=0).get_many(
+            [locations[1], locations[2]], [None, None])
+
+
 def test_a_lead_blob_lives_and_dies_with_its_fact(tmp_path):
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     fact = store.put("9", *_kv(), [1] * 5, window=2)
