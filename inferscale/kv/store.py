@@ -18,11 +18,11 @@ import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from cachetools import LRUCache
@@ -46,6 +46,22 @@ __all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", 
 PAGE_IN_ARENA_MIN = 256 << 20
 VERIFIED_VERSIONS = 1 << 16  # blob versions remembered as hashed: ~64 GB of KV at 1 MB a blob
 _BLOB = ".safetensors"
+
+
+# A blob read from memory this large or larger is checked on the page-in threads: hashing it
+# outweighs the Python of decoding it (SmolLM2's shape, k = 50, 2 CPUs: bf16 blobs of 1 MB
+# took 18.7 ms on the threads and 21.4 ms on one; int8 blobs of 547 KB 18.7 and 14.2 ms).
+CHECKED_ON_THREADS_BYTES = 768 << 10
+
+
+def _finished(call: Callable[..., KVBlob], *args: Any) -> Future[KVBlob]:
+    """``call(*args)`` run here, as a finished future (its result, or its error)."""
+    done: Future[KVBlob] = Future()
+    try:
+        done.set_result(call(*args))
+    except Exception as exc:  # noqa: BLE001 - raised to the caller as a thread's would be
+        done.set_exception(exc)
+    return done
 
 
 def _fact_id(stem: str) -> int | None:
@@ -281,20 +297,13 @@ class KVStore:
         return blob
 
     def _page_in_read(self, location: str, expected_checksum: str | None,
-                      read: tuple[bytes | memoryview, Hashable | None], seconds: float
-                      ) -> Future[KVBlob]:
-        """``_page_in`` of a blob already read (in ``seconds``), done on this thread."""
+                      read: tuple[bytes | memoryview, Hashable | None], seconds: float) -> KVBlob:
+        """``_page_in`` of a blob already read (in ``seconds``)."""
         started = time.perf_counter()
-        done: Future[KVBlob] = Future()
-        try:
-            blob = self._verified_blob(location, *read, expected_checksum)
-        except Exception as exc:  # noqa: BLE001 - raised to the caller as a pool's would be
-            done.set_exception(exc)
-            return done
+        blob = self._verified_blob(location, *read, expected_checksum)
         KV_METRICS.page_in_seconds.observe(seconds + time.perf_counter() - started)
         self.host.put(location, blob)
-        done.set_result(blob)
-        return done
+        return blob
 
     def get(self, location: str, expected_checksum: str | None = None) -> KVBlob:
         """The blob on this store's device: device cache -> host cache -> durable (verified)."""
@@ -318,9 +327,11 @@ class KVStore:
         wanted = list(dict.fromkeys((location, checksum) for location, checksum, blob
                                     in zip(locations, checksums, blobs, strict=True)
                                     if blob is None))
-        # Blobs the storage gives at once (the page cache) are read and decoded here: handing
-        # them to threads only queues them on the GIL (k = 50 int4 blobs, 2 CPUs: ~10 ms here,
-        # ~16 ms on the threads). The others are fetched together and read on the threads.
+        # Blobs the storage gives at once (the page cache) are read here, and checked here
+        # where that is mostly Python, which on the threads only queues on the GIL (k = 50 int4
+        # blobs, 2 CPUs: ~10 ms here, ~17 ms on the threads); larger ones are checked on the
+        # threads, where their hashing (outside the GIL) overlaps. The others are fetched
+        # together and read on the threads.
         cached = {}
         for key in wanted:
             started = time.perf_counter()
@@ -331,8 +342,11 @@ class KVStore:
             self.durable.prefetch(list(dict.fromkeys(location for location, _ in slow)))
         misses: dict[tuple[str, str | None], Future[KVBlob]] = {
             key: self._pool.submit(self._page_in, *key) for key in slow}
-        misses.update({key: self._page_in_read(*key, read, seconds)
-                       for key, (read, seconds) in cached.items()})
+        misses.update({key: self._pool.submit(self._page_in_read, *key, read, seconds)
+                       for key, (read, seconds) in cached.items()
+                       if len(read[0]) >= CHECKED_ON_THREADS_BYTES})
+        misses.update({key: _finished(self._page_in_read, *key, read, seconds)
+                       for key, (read, seconds) in cached.items() if key not in misses})
         wait(misses.values())
         out = [blob if blob is not None else self._on_device(
                    location, misses[location, checksum].result(), sources)

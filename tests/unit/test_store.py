@@ -10,6 +10,7 @@ from inferscale.contracts.blob import KVBlob
 from inferscale.contracts.plan import lead_name
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.store import (
+    CHECKED_ON_THREADS_BYTES,
     BlobMissing,
     ByteLRU,
     ChecksumMismatch,
@@ -131,6 +132,8 @@ def test_page_ins_from_memory_are_read_at_once_and_checked_as_any_other(tmp_path
     both give what ``get`` gives, and both refuse a damaged or unexpected blob."""
     writer = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
     stored = [writer.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(6)]
+    big = writer.put("6", *_kv(tokens=4200, seed=6), [6] * 4200, window=0)  # checked on threads
+    assert big.nbytes >= CHECKED_ON_THREADS_BYTES
     durable = LocalDir(tmp_path)
     for s in stored:  # just written: in the page cache (on a file system that has one)
         raw, version = durable.read_versioned(s.location)
@@ -143,9 +146,11 @@ def test_page_ins_from_memory_are_read_at_once_and_checked_as_any_other(tmp_path
     split = _SlowOdd(tmp_path)
     reader = KVStore(split, "f" * 64, host_bytes=1 << 20)
     locations = [s.location for s in stored]
-    blobs = reader.get_many(locations, [s.checksum for s in stored])
-    for blob, i in zip(blobs, range(6), strict=True):
+    blobs = reader.get_many(locations + [big.location], [s.checksum for s in [*stored, big]])
+    for blob, i in zip(blobs[:-1], range(6), strict=True):
         assert torch.equal(blob.k, _kv(seed=i)[0]) and torch.equal(blob.v, _kv(seed=i)[1])
+    assert torch.equal(blobs[-1].k, _kv(tokens=4200, seed=6)[0]) and blobs[-1].tokens == 4200
+    locations.append(big.location)
     assert set(locations[1::2]) <= set(split.slow)  # each blob read once, one way or the other
     assert sorted(split.at_once + split.slow) == sorted(locations)
     rewritten = writer.put("2", *_kv(seed=9), [9] * 5, window=0)
