@@ -222,10 +222,6 @@ class KVStore:
         self.durable.write(location, data)
         return StoredBlob(location=location, nbytes=len(data), checksum=checksum)
 
-    def _read_durable(self, location: str, expected_checksum: str | None) -> KVBlob:
-        raw, version = self.durable.read_versioned(location, self._page_in_buffer)
-        return self._verified_blob(location, raw, version, expected_checksum)
-
     def _verified_blob(self, location: str, raw: bytes | memoryview, version: Hashable | None,
                        expected_checksum: str | None) -> KVBlob:
         """The blob read from ``location`` (at ``version``), its checksum and fingerprint
@@ -288,20 +284,19 @@ class KVStore:
         blob = self.host.get(location, expected_checksum)
         return None if blob is None else self._on_device(location, blob, sources)
 
-    def _page_in(self, location: str, expected_checksum: str | None) -> KVBlob:
-        """The blob from the durable tier (verified), cached in host RAM. Thread-safe: device
-        copies stay on the caller's thread (its current device and stream)."""
-        with KV_METRICS.page_in_seconds.time():
-            blob = self._read_durable(location, expected_checksum)
-        self.host.put(location, blob)
-        return blob
-
-    def _page_in_read(self, location: str, expected_checksum: str | None,
-                      read: tuple[bytes | memoryview, Hashable | None], seconds: float) -> KVBlob:
-        """``_page_in`` of a blob already read (in ``seconds``)."""
+    def _page_in(self, location: str, expected_checksum: str | None,
+                 read: tuple[bytes | memoryview, Hashable | None] | None = None,
+                 seconds: float = 0.0) -> KVBlob:
+        """The blob from the durable tier (or as already ``read`` from it, in ``seconds``),
+        verified, cached in host RAM. Thread-safe: device copies stay on the caller's thread
+        (its current device and stream)."""
         started = time.perf_counter()
-        blob = self._verified_blob(location, *read, expected_checksum)
-        KV_METRICS.page_in_seconds.observe(seconds + time.perf_counter() - started)
+        try:
+            if read is None:
+                read = self.durable.read_versioned(location, self._page_in_buffer)
+            blob = self._verified_blob(location, *read, expected_checksum)
+        finally:
+            KV_METRICS.page_in_seconds.observe(seconds + time.perf_counter() - started)
         self.host.put(location, blob)
         return blob
 
@@ -342,10 +337,10 @@ class KVStore:
             self.durable.prefetch(list(dict.fromkeys(location for location, _ in slow)))
         misses: dict[tuple[str, str | None], Future[KVBlob]] = {
             key: self._pool.submit(self._page_in, *key) for key in slow}
-        misses.update({key: self._pool.submit(self._page_in_read, *key, read, seconds)
+        misses.update({key: self._pool.submit(self._page_in, *key, read, seconds)
                        for key, (read, seconds) in cached.items()
                        if len(read[0]) >= CHECKED_ON_THREADS_BYTES})
-        misses.update({key: _finished(self._page_in_read, *key, read, seconds)
+        misses.update({key: _finished(self._page_in, *key, read, seconds)
                        for key, (read, seconds) in cached.items() if key not in misses})
         wait(misses.values())
         out = [blob if blob is not None else self._on_device(
