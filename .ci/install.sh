@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${INFERSCALE_VENV:-.venv}
 PY=${PYTHON:-python3}
 TORCH_INDEX=${INFERSCALE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-stamp="$VENV/.inferscale-install-$(cat pyproject.toml .ci/install.sh inferscale/kv/_fused_cpu.c | sha256sum | cut -c1-16)"
+stamp="$VENV/.inferscale-install-$(cat pyproject.toml .ci/install.sh inferscale/kv/*.c | sha256sum | cut -c1-16)"
 [ -d "$VENV" ] || "$PY" -m venv "$VENV"
 if [ -f "$stamp" ]; then echo "install: up to date ($stamp)"; exit 0; fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }

@@ -16,8 +16,11 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterator
+from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy
@@ -28,6 +31,12 @@ from inferscale.platform.procs import pid_alive, process_cpus
 if TYPE_CHECKING:
     from inferscale.platform.settings import Settings
 
+_read_files: ModuleType | None
+try:  # the C reads (optional: built where a C compiler was at install)
+    from inferscale.kv import _read_files
+except ImportError:
+    _read_files = None
+
 S3_CONNECTIONS = 32  # pooled HTTP connections of one S3 client, shared by all its threads
 S3_MAX_ATTEMPTS = 3  # botocore "standard" retries: throttling, 5xx, connection errors
 # A page-in waits on these while a request waits for its first token: a blob (~1 MB) that takes
@@ -37,6 +46,10 @@ S3_READ_TIMEOUT_S = 5.0
 S3_DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 
 Alloc = Callable[[int], numpy.ndarray]  # size -> a writable uint8 buffer of that many bytes
+Read = tuple[bytes | memoryview, Hashable | None]  # a blob's bytes and version
+# Files read from the page cache in one call: the first batch on the caller's thread, the
+# others on the reading threads while the caller checks what came before.
+READ_BATCH = 8
 # A file changed this recently has no version (see ``file_version``): a change within the
 # timestamps' granularity (a clock tick) of the last one could leave them as they were.
 RACY_S = 2.0
@@ -77,18 +90,12 @@ class Durable(ABC):
         ``alloc(size)``, by default ``fresh_buffer``); ``BlobMissing`` when there is none."""
         return self.read_versioned(location, alloc)[0]
 
-    def prefetch(self, locations: list[str]) -> None:
-        """Ask the storage to start fetching these blobs, which are about to be read (a hint:
-        nothing is read or checked here, and the reads report what is missing). Most storage
-        has no use for it."""
-        return None
-
-    def read_cached(self, location: str, alloc: Alloc | None = None
-                    ) -> tuple[bytes | memoryview, Hashable | None] | None:
-        """``read_versioned`` where the storage has the whole blob in memory and gives it at
-        once; None where that read would wait on a device or the network, or fail (the caller
-        then reads it as usual, and learns why). Most storage cannot tell: None."""
-        return None
+    def read_many(self, locations: list[str], alloc: Alloc | None = None,
+                  pool: Executor | None = None) -> Generator[Read | None, None, None]:
+        """``read_versioned`` of each blob, in order, as they come (later ones may be read on
+        ``pool`` meanwhile), where the storage reads many at once; None for one it did not read
+        (the caller then reads it as usual, and learns why). Most storage cannot: all None."""
+        yield from [None] * len(locations)
 
     def read_versioned(self, location: str, alloc: Alloc | None = None
                        ) -> tuple[bytes | memoryview, Hashable | None]:
@@ -148,6 +155,51 @@ class Durable(ABC):
     def _delete(self, location: str) -> bool: ...
 
 
+@dataclass(frozen=True)
+class _Opened:
+    """A file open for a whole read: its descriptor, a buffer of its size, its stat."""
+
+    fd: int
+    buffer: memoryview
+    stat: os.stat_result
+
+
+def _opened(path: Path, alloc: Alloc | None) -> _Opened | None:
+    """The file opened, with a buffer of its size from ``alloc``; None if it cannot be
+    opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        stat = os.fstat(fd)
+        # numpy's stubs declare ndarray.__buffer__ for Python 3.12+ only
+        buffer = memoryview((alloc or fresh_buffer)(stat.st_size))  # type: ignore[arg-type]
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Opened(fd, buffer, stat)
+
+
+def _read_whole(files: list[_Opened]) -> list[bool]:
+    """Whether each file filled its buffer and ends there, readahead of all of them asked for
+    first: in one call where ``_read_files`` is built, else calls of their own."""
+    whole: list[bool] = []
+    if _read_files is not None:
+        whole = _read_files.read_files([f.fd for f in files], [f.buffer for f in files])
+        return whole
+    for file in files:
+        with contextlib.suppress(OSError):  # a file system without readahead
+            os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    for file in files:
+        try:
+            whole.append(os.preadv(file.fd, [file.buffer], 0) == file.buffer.nbytes
+                         and not os.pread(file.fd, 1, file.buffer.nbytes))
+        except OSError:
+            whole.append(False)
+    return whole
+
+
 def file_version(stat: os.stat_result) -> tuple[int, ...] | None:
     """A file's identity, size and change times: any write, truncation or replacement of the
     file changes them (the kernel sets the change time; no call sets it back). None while the
@@ -168,47 +220,31 @@ class LocalDir(Durable):
         # only queue on the GIL (k = 50 on 2 CPUs: 17 ms with 2 threads, 26 ms with 8).
         self.read_threads = len(process_cpus())
 
-    def prefetch(self, locations: list[str]) -> None:
-        """Readahead of the whole files (``POSIX_FADV_WILLNEED``): a request's blobs that are
-        not in the page cache are read from the disk at once, not one per reading thread at a
-        time (``bench pagein``, SmolLM2 blobs from the disk, k = 20: raw 15.4 -> 12.2 ms, int4
-        8.3 -> 7.2 ms; ~10 us a file when they are cached)."""
-        for location in locations:
-            if not valid_location(location):
-                continue
-            try:
-                fd = os.open(self.root / location, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass  # a filesystem without readahead: the reads just come one at a time
-            finally:
-                os.close(fd)
-
-    def read_cached(self, location: str, alloc: Alloc | None = None
-                    ) -> tuple[memoryview, Hashable | None] | None:
-        """The file, if the OS page cache holds all of it: one read that may not wait on the
-        disk (``RWF_NOWAIT``); None otherwise (also for a file that is not there or grew)."""
-        if not valid_location(location):
-            return None
+    def read_many(self, locations: list[str], alloc: Alloc | None = None,
+                  pool: Executor | None = None) -> Generator[Read | None, None, None]:
+        """The files read ``READ_BATCH`` at a time, each batch in one call that holds no GIL
+        (where ``_read_files`` is built) after asking for readahead of all its files (the disk
+        reads them together): the first batch on the caller's thread, the others on ``pool``
+        while the caller checks the files before. None for a file not read whole (not there,
+        or changed size)."""
+        batches: list[tuple[list[_Opened | None], Future[list[bool]] | None]] = []
         try:
-            fd = os.open(self.root / location, os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            stat = os.fstat(fd)
-            # numpy's stubs declare ndarray.__buffer__ for Python 3.12+ only
-            buffer = memoryview((alloc or fresh_buffer)(stat.st_size))  # type: ignore[arg-type]
-            if (os.preadv(fd, [buffer], 0, os.RWF_NOWAIT) != stat.st_size
-                    or os.pread(fd, 1, stat.st_size)):
-                return None  # part of it is on the disk only, or it changed size
-            return buffer, file_version(stat)
-        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: a file system with no such reads
-            return None
+            for at in range(0, len(locations), READ_BATCH):
+                batch = [_opened(self.root / location, alloc) if valid_location(location)
+                         else None for location in locations[at:at + READ_BATCH]]
+                files = [file for file in batch if file is not None]
+                batches.append((batch, pool.submit(_read_whole, files) if pool and at else None))
+            for batch, reading in batches:
+                whole = iter(reading.result() if reading else
+                             _read_whole([file for file in batch if file is not None]))
+                for file in batch:
+                    yield (file.buffer, file_version(file.stat)) if file and next(whole) else None
         finally:
-            os.close(fd)
+            wait([reading for _, reading in batches if reading])  # no file is closed mid-read
+            for batch, _ in batches:
+                for file in batch:
+                    if file is not None:
+                        os.close(file.fd)
 
     def _read(self, location: str, alloc: Alloc) -> tuple[memoryview, Hashable | None]:
         """The file read with one copy into a buffer from ``alloc``, which the decoded tensors

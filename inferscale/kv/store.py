@@ -14,6 +14,7 @@ that expects that copy's checksum (or none), others page the new blob in.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -30,7 +31,7 @@ from cachetools import LRUCache
 from inferscale.contracts.blob import KVBlob, decode_blob, encode_blob
 from inferscale.contracts.kv_format import RAW
 from inferscale.contracts.plan import LEAD
-from inferscale.kv.durable import BlobMissing, Durable, KVBlobError, open_durable
+from inferscale.kv.durable import BlobMissing, Durable, KVBlobError, Read, open_durable
 from inferscale.kv.host_arena import HostArena, pinned_buffer
 from inferscale.platform.procs import run_on_process_cpus
 from inferscale.serving.metrics import KV_METRICS
@@ -46,12 +47,6 @@ __all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", 
 PAGE_IN_ARENA_MIN = 256 << 20
 VERIFIED_VERSIONS = 1 << 16  # blob versions remembered as hashed: ~64 GB of KV at 1 MB a blob
 _BLOB = ".safetensors"
-
-
-# A blob read from memory this large or larger is checked on the page-in threads: hashing it
-# outweighs the Python of decoding it (SmolLM2's shape, k = 50, 2 CPUs: bf16 blobs of 1 MB
-# took 18.7 ms on the threads and 21.4 ms on one; int8 blobs of 547 KB 18.7 and 14.2 ms).
-CHECKED_ON_THREADS_BYTES = 768 << 10
 
 
 def _finished(call: Callable[..., KVBlob], *args: Any) -> Future[KVBlob]:
@@ -285,7 +280,7 @@ class KVStore:
         return None if blob is None else self._on_device(location, blob, sources)
 
     def _page_in(self, location: str, expected_checksum: str | None,
-                 read: tuple[bytes | memoryview, Hashable | None] | None = None,
+                 read: Read | None = None,
                  seconds: float = 0.0) -> KVBlob:
         """The blob from the durable tier (or as already ``read`` from it, in ``seconds``),
         verified, cached in host RAM. Thread-safe: device copies stay on the caller's thread
@@ -311,9 +306,10 @@ class KVStore:
 
     def get_many(self, locations: list[str], checksums: list[str | None]) -> list[KVBlob]:
         """The blobs at ``locations`` (with their expected checksums), in order, as ``get``
-        gives them: memory-tier hits first, then the misses paged in: on this thread where the
-        durable tier has them in memory, concurrently otherwise. Every page-in has ended when it
-        returns; the error of the first blob that failed is raised."""
+        gives them: memory-tier hits first, then the misses paged in: read many at a time where
+        the durable tier can (a local directory) and checked here as they come, read and checked
+        concurrently otherwise. Every page-in has ended when it returns; the error of the first
+        blob that failed is raised."""
         if len(locations) != len(checksums):
             raise ValueError(f"{len(locations)} locations but {len(checksums)} checksums")
         sources: list[KVBlob] = []
@@ -322,26 +318,19 @@ class KVStore:
         wanted = list(dict.fromkeys((location, checksum) for location, checksum, blob
                                     in zip(locations, checksums, blobs, strict=True)
                                     if blob is None))
-        # Blobs the storage gives at once (the page cache) are read here, and checked here
-        # where that is mostly Python, which on the threads only queues on the GIL (k = 50 int4
-        # blobs, 2 CPUs: ~10 ms here, ~17 ms on the threads); larger ones are checked on the
-        # threads, where their hashing (outside the GIL) overlaps. The others are fetched
-        # together and read on the threads.
-        cached = {}
-        for key in wanted:
-            started = time.perf_counter()
-            if (read := self.durable.read_cached(key[0], self._page_in_buffer)) is not None:
-                cached[key] = read, time.perf_counter() - started
-        slow = [key for key in wanted if key not in cached]
-        if len(slow) > 1:  # the storage fetches them all while the threads read the first
-            self.durable.prefetch(list(dict.fromkeys(location for location, _ in slow)))
-        misses: dict[tuple[str, str | None], Future[KVBlob]] = {
-            key: self._pool.submit(self._page_in, *key) for key in slow}
-        misses.update({key: self._pool.submit(self._page_in, *key, read, seconds)
-                       for key, (read, seconds) in cached.items()
-                       if len(read[0]) >= CHECKED_ON_THREADS_BYTES})
-        misses.update({key: _finished(self._page_in, *key, read, seconds)
-                       for key, (read, seconds) in cached.items() if key not in misses})
+        # Blobs the storage reads many at a time (a local directory) are checked here as they
+        # come, while the threads read the next ones: a check is mostly Python, which on the
+        # threads only queued on the GIL (k = 50 int4 blobs from the page cache, 2 CPUs: ~8 ms
+        # here, ~17 ms on the threads; raw blobs 15 and 19 ms). The others are read and checked
+        # on the threads.
+        misses: dict[tuple[str, str | None], Future[KVBlob]] = {}
+        started = time.perf_counter()
+        with contextlib.closing(self.durable.read_many(
+                [location for location, _ in wanted], self._page_in_buffer, self._pool)) as reads:
+            for key, read in zip(wanted, reads, strict=True):
+                seconds, started = time.perf_counter() - started, time.perf_counter()
+                misses[key] = (self._pool.submit(self._page_in, *key) if read is None
+                               else _finished(self._page_in, *key, read, seconds))
         wait(misses.values())
         out = [blob if blob is not None else self._on_device(
                    location, misses[location, checksum].result(), sources)

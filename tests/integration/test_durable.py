@@ -306,8 +306,9 @@ def test_get_many_pages_misses_in_concurrently_in_order(store, monkeypatch):
     checksums = [s.checksum for s in stored]
     expected = [KVStore(store.durable, FP_A, host_bytes=0).get(loc) for loc in locations]
     monkeypatch.setattr(store.durable, "read_threads", 3)
-    # as if no blob were in the OS page cache: every one is read from the storage, on threads
-    monkeypatch.setattr(store.durable, "read_cached", lambda location, alloc=None: None)
+    # as if the storage could not read blobs in batches: every one is read on the threads
+    monkeypatch.setattr(store.durable, "read_many",
+                        lambda locations, alloc=None, pool=None: (None for _ in locations))
     fresh = KVStore(store.durable, FP_A, host_bytes=1 << 20)
     warm = fresh.get(locations[1])
     barrier = threading.Barrier(3, timeout=10)  # the 3 misses: read one by one, it would break
@@ -339,9 +340,10 @@ def test_get_many_pages_misses_in_concurrently_in_order(store, monkeypatch):
 def test_page_ins_run_on_every_cpu_of_the_process_when_the_caller_is_pinned(tmp_path,
                                                                              monkeypatch):
     """vLLM's CPU worker runs pinned to one CPU (libgomp's binding): its page-ins from the
-    storage (here: none in the page cache) may not be."""
+    storage (here: each on the threads) may not be."""
     store = KVStore(LocalDir(tmp_path), FP_A, host_bytes=0)
-    monkeypatch.setattr(store.durable, "read_cached", lambda location, alloc=None: None)
+    monkeypatch.setattr(store.durable, "read_many",
+                        lambda locations, alloc=None, pool=None: (None for _ in locations))
     stored = store.put("1", *_kv(), [1] * 5, window=0)
     assert store.durable.read_threads == len(process_cpus())
     seen: list[set[int]] = []

@@ -117,7 +117,7 @@ def test_bench_pagein_times_each_kind_of_memory_and_format(tiny_models, tmp_path
         for column in ("host_tier_ms", "sequential_ms", "fresh_buffers_ms", "concurrent_ms",
                        "reused_ms", "cold_sequential_ms", "cold_concurrent_ms",
                        "cold_concurrent_on_threads_ms", "disk_sequential_ms", "disk_concurrent_ms",
-                       "disk_concurrent_no_readahead_ms", "concurrent_speedup_vs_raw",
+                       "disk_concurrent_on_threads_ms", "concurrent_speedup_vs_raw",
                        "cold_concurrent_speedup_vs_raw", "disk_concurrent_speedup_vs_raw"):
             assert row[column] > 0
         assert (row["fused_write_ms"] is None) == (not fused.available())

@@ -1,5 +1,7 @@
 """Tiered KV store: round trip, corruption, fingerprint, LRU budget, delete."""
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -8,9 +10,8 @@ from hypothesis import strategies as st
 from hostile import tried
 from inferscale.contracts.blob import KVBlob
 from inferscale.contracts.plan import lead_name
-from inferscale.kv.durable import LocalDir
+from inferscale.kv.durable import READ_BATCH, LocalDir
 from inferscale.kv.store import (
-    CHECKED_ON_THREADS_BYTES,
     BlobMissing,
     ByteLRU,
     ChecksumMismatch,
@@ -87,11 +88,10 @@ def test_delete_removes_every_tier(tmp_path):
     assert stored.location not in store.host and not (tmp_path / stored.location).exists()
 
 
-def test_a_batch_of_page_ins_is_prefetched_and_reads_what_a_single_get_reads(tmp_path):
-    """Readahead is a hint: whatever the locations name (nothing, a folder, outside the root),
-    prefetching raises nothing and the reads still report the missing blob."""
+def test_a_batch_of_page_ins_reads_what_a_single_get_reads(tmp_path):
+    """Whatever the locations name (nothing, a folder), a batch reports the missing blob as a
+    single ``get`` would."""
     durable = LocalDir(tmp_path)
-    durable.prefetch(["nope/x.safetensors", "..", "a/../../etc/passwd", "", "\0", "/abs"])
     writer = KVStore(durable, "f" * 64, host_bytes=0)
     stored = [writer.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(4)]
     (tmp_path / "ffffffffffffffff" / "folder.safetensors").mkdir()
@@ -107,61 +107,65 @@ def test_a_batch_of_page_ins_is_prefetched_and_reads_what_a_single_get_reads(tmp
 
 
 class _SlowOdd(LocalDir):
-    """A directory whose odd-numbered blobs are not in memory (they take the threads' reads),
-    counting the reads of each kind."""
+    """A directory whose odd-numbered blobs are not read in batches (they take the threads'
+    reads, as a blob that changed while it was read would), counting the reads of each kind."""
 
     def __init__(self, root):
         super().__init__(root)
-        self.at_once, self.slow = [], []
+        self.batched, self.slow = [], []
 
-    def read_cached(self, location, alloc=None):
-        if int(location.rsplit("/", 1)[1].split(".")[0]) % 2:
-            return None
-        read = super().read_cached(location, alloc)
-        if read is not None:
-            self.at_once.append(location)
-        return read
+    def read_many(self, locations, alloc=None, pool=None):
+        for location, read in zip(locations, super().read_many(locations, alloc, pool),
+                                  strict=True):
+            if int(location.rsplit("/", 1)[1].split(".")[0]) % 2:
+                read = None
+            if read is not None:
+                self.batched.append(location)
+            yield read
 
     def read_versioned(self, location, alloc=None):
         self.slow.append(location)
         return super().read_versioned(location, alloc)
 
 
-def test_page_ins_from_memory_are_read_at_once_and_checked_as_any_other(tmp_path):
-    """A blob in the OS page cache is read on the caller's thread, any other on the threads:
-    both give what ``get`` gives, and both refuse a damaged or unexpected blob."""
+def test_page_ins_read_in_batches_are_checked_as_any_other(tmp_path):
+    """Blobs are read in batches (on the caller's thread and the threads) and checked on the
+    caller's thread, or read and checked on the threads: both give what ``get`` gives, and both
+    refuse a damaged or unexpected blob."""
     writer = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
-    stored = [writer.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(6)]
-    big = writer.put("6", *_kv(tokens=4200, seed=6), [6] * 4200, window=0)  # checked on threads
-    assert big.nbytes >= CHECKED_ON_THREADS_BYTES
+    n = 2 * READ_BATCH + 3
+    stored = [writer.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(n)]
+    big = writer.put(str(n), *_kv(tokens=4200, seed=n), [n] * 4200, window=0)
     durable = LocalDir(tmp_path)
-    for s in stored:  # just written: in the page cache (on a file system that has one)
-        raw, version = durable.read_versioned(s.location)
-        cached = durable.read_cached(s.location)
-        assert cached is None or (bytes(cached[0]) == bytes(raw) and cached[1] == version)
+    hostile = ["ffffffffffffffff/00/gone.safetensors", "ffffffffffffffff/folder.safetensors",
+               "..", "a/../../etc/passwd", "", "\0", "/abs"]
     (tmp_path / "ffffffffffffffff" / "folder.safetensors").mkdir()
-    for hostile in ["ffffffffffffffff/00/gone.safetensors", "ffffffffffffffff/folder.safetensors",
-                    "..", "a/../../etc/passwd", "", "\0", "/abs"]:
-        assert durable.read_cached(hostile) is None
+    read = list(durable.read_many([s.location for s in stored[:3]] + hostile))
+    assert read[3:] == [None] * len(hostile)
+    for s, (buffer, version) in zip(stored, read[:3], strict=False):
+        raw, raw_version = durable.read_versioned(s.location)
+        assert bytes(buffer) == bytes(raw) and version == raw_version
     split = _SlowOdd(tmp_path)
     reader = KVStore(split, "f" * 64, host_bytes=1 << 20)
     locations = [s.location for s in stored]
+    open_files = len(os.listdir("/proc/self/fd"))
     blobs = reader.get_many(locations + [big.location], [s.checksum for s in [*stored, big]])
-    for blob, i in zip(blobs[:-1], range(6), strict=True):
+    assert len(os.listdir("/proc/self/fd")) == open_files  # every file read is closed
+    for blob, i in zip(blobs[:-1], range(n), strict=True):
         assert torch.equal(blob.k, _kv(seed=i)[0]) and torch.equal(blob.v, _kv(seed=i)[1])
-    assert torch.equal(blobs[-1].k, _kv(tokens=4200, seed=6)[0]) and blobs[-1].tokens == 4200
+    assert torch.equal(blobs[-1].k, _kv(tokens=4200, seed=n)[0]) and blobs[-1].tokens == 4200
     locations.append(big.location)
     assert set(locations[1::2]) <= set(split.slow)  # each blob read once, one way or the other
-    assert sorted(split.at_once + split.slow) == sorted(locations)
+    assert sorted(split.batched + split.slow) == sorted(locations)
     rewritten = writer.put("2", *_kv(seed=9), [9] * 5, window=0)
-    with pytest.raises(ChecksumMismatch):  # an at-once read of a blob not the one expected
+    with pytest.raises(ChecksumMismatch):  # a batched read of a blob not the one expected
         KVStore(_SlowOdd(tmp_path), "f" * 64, host_bytes=0).get_many(
             [locations[2], locations[1]], [stored[2].checksum, stored[1].checksum])
     path = tmp_path / rewritten.location
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(ChecksumMismatch):  # damaged in place: the page cache has the damage
+    with pytest.raises(ChecksumMismatch):  # damaged in place
         KVStore(_SlowOdd(tmp_path), "f" * 64, host_bytes=0).get_many(
             [locations[1], locations[2]], [None, None])
 

@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def read_files(fds: Sequence[int], buffers: Sequence[memoryview], /) -> list[bool]: ...
