@@ -21,7 +21,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Generator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +195,27 @@ def _cold_ms(durable: Durable, shape: tuple[int, int, int], dtype: torch.dtype, 
     return statistics.median(samples[1:]) * 1e3
 
 
+def _request_floor_ms(durable: Durable, k: int) -> dict[str, float]:
+    """Median ms to read k one-byte objects, one by one and concurrently (on the threads a
+    store uses): what a page-in's requests cost with no bytes to move, the floor under every
+    format's page-in from this tier."""
+    locations = [f"request-floor/{uuid.uuid4().hex[:2]}/{i}" for i in range(k)]
+    for location in locations:
+        durable.write(location, b"x")
+    floor = {}
+    with ThreadPoolExecutor(durable.read_threads) as pool:
+        for mode, read_all in (("sequential", lambda: [durable.read(at) for at in locations]),
+                               ("concurrent", lambda: list(pool.map(durable.read, locations)))):
+            samples = []
+            for _ in range(REPEATS + 1):  # the first warms connections and threads up
+                began = time.perf_counter()
+                read_all()
+                samples.append(time.perf_counter() - began)
+            floor[f"request_floor_{mode}_ms"] = statistics.median(samples[1:]) * 1e3
+    durable.delete_many(locations)
+    return floor
+
+
 def run(settings: Settings, model_path: Path, out_dir: Path,
         ks: tuple[int, ...] = (20, 50), formats: tuple[str, ...] = tuple(FORMATS)) -> dict:
     """Write max(ks) blobs of the serving model's shape (bf16) in each format to each durable
@@ -218,6 +239,8 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
             tiers.append((f"s3://{bucket.bucket}", S3Objects(bucket.bucket, bucket.prefix)))
         results: list[dict[str, Any]] = []
         for tier, durable in tiers:
+            floors = {k: _request_floor_ms(durable, k) for k in ks
+                      if not isinstance(durable, LocalDir)}
             for kv_format in formats:
                 names, blob_bytes = _write_blobs(durable, shape, dtype, max(ks), kv_format)
                 for k in ks:
@@ -243,6 +266,7 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                         "fresh_buffers_ms": _request_ms(durable, names[:k], True, "fresh"),
                         "concurrent_ms": _request_ms(durable, names[:k], True, "arena"),
                         "reused_ms": _request_ms(durable, names[:k], True, "reused"),
+                        **floors.get(k, {}),
                         **dict(zip(("fused_write_ms", "fused_write_windows_ms"), _write_ms(
                             config, KVStore(durable, FINGERPRINT, host_bytes=1 << 34),
                             names[:k]), strict=True))})
@@ -263,6 +287,7 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                  "x raw (disk, concurrent)", "disk, concurrent, all on threads ms",
                  "one by one ms", "concurrent, fresh buffers ms", "concurrent, arena ms",
                  "concurrent, arena reused ms", "x raw (arena)", "x raw (reused)",
+                 "request floor, one by one ms", "request floor, concurrent ms",
                  "fused write ms", "write in windows ms"],
                 [[r["tier"], r["format"], r["k"], r["blob_bytes"] / 1e3, r["host_tier_ms"],
                   r["cold_sequential_ms"], r["cold_concurrent_ms"],
@@ -273,6 +298,7 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                   r.get("disk_concurrent_on_threads_ms"),
                   r["sequential_ms"], r["fresh_buffers_ms"], r["concurrent_ms"],
                   r["reused_ms"], r["concurrent_speedup_vs_raw"], r["reused_speedup_vs_raw"],
+                  r.get("request_floor_sequential_ms"), r.get("request_floor_concurrent_ms"),
                   r["fused_write_ms"], r["fused_write_windows_ms"]]
                  for r in results])
     report = {"tokens_per_fact": TOKENS_PER_FACT, "repeats": REPEATS, "results": results}
