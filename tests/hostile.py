@@ -8,6 +8,7 @@ names a file, the tally is appended to it as one JSON line at exit
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 from collections import Counter
@@ -23,6 +24,15 @@ FIELDS = ("version", "user_id", "conversation_id", "turn_id", "speaker", "text",
 def tried(entry_point: str, n: int = 1) -> None:
     """Count ``n`` more hostile inputs sent to ``entry_point``."""
     TRIED[entry_point] += n
+
+
+def open_under(folder: os.PathLike[str] | str) -> list[str]:
+    """The files under ``folder`` this process holds open (a check that nothing leaked)."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [path for path in paths if path.startswith(f"{folder}/")]
 
 
 def _dump() -> None:

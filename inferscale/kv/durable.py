@@ -47,8 +47,8 @@ S3_DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 
 Alloc = Callable[[int], numpy.ndarray]  # size -> a writable uint8 buffer of that many bytes
 Read = tuple[bytes | memoryview, Hashable | None]  # a blob's bytes and version
-# Files read from the page cache in one call: the first batch on the caller's thread, the
-# others on the reading threads while the caller checks what came before.
+# Files read in one call (readahead of all of them first): the first batch on the caller's
+# thread, the others on the reading threads while the caller checks what came before.
 READ_BATCH = 8
 # A file changed this recently has no version (see ``file_version``): a change within the
 # timestamps' granularity (a clock tick) of the last one could leave them as they were.
@@ -164,11 +164,13 @@ class _Opened:
     stat: os.stat_result
 
 
-def _opened(path: Path, alloc: Alloc | None) -> _Opened | None:
-    """The file opened, with a buffer of its size from ``alloc``; None if it cannot be
-    opened."""
+def _opened(root: Path, location: str, alloc: Alloc | None) -> _Opened | None:
+    """The file at ``location`` opened, with a buffer of its size from ``alloc``; None if it
+    cannot be opened (or the location names no blob)."""
+    if not valid_location(location):
+        return None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(root / location, os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -227,11 +229,16 @@ class LocalDir(Durable):
         reads them together): the first batch on the caller's thread, the others on ``pool``
         while the caller checks the files before. None for a file not read whole (not there,
         or changed size)."""
+        opened: list[_Opened] = []  # closed whatever happens
         batches: list[tuple[list[_Opened | None], Future[list[bool]] | None]] = []
         try:
             for at in range(0, len(locations), READ_BATCH):
-                batch = [_opened(self.root / location, alloc) if valid_location(location)
-                         else None for location in locations[at:at + READ_BATCH]]
+                batch: list[_Opened | None] = []
+                for location in locations[at:at + READ_BATCH]:
+                    file = _opened(self.root, location, alloc)
+                    batch.append(file)
+                    if file is not None:
+                        opened.append(file)
                 files = [file for file in batch if file is not None]
                 batches.append((batch, pool.submit(_read_whole, files) if pool and at else None))
             for batch, reading in batches:
@@ -241,10 +248,8 @@ class LocalDir(Durable):
                     yield (file.buffer, file_version(file.stat)) if file and next(whole) else None
         finally:
             wait([reading for _, reading in batches if reading])  # no file is closed mid-read
-            for batch, _ in batches:
-                for file in batch:
-                    if file is not None:
-                        os.close(file.fd)
+            for file in opened:
+                os.close(file.fd)
 
     def _read(self, location: str, alloc: Alloc) -> tuple[memoryview, Hashable | None]:
         """The file read with one copy into a buffer from ``alloc``, which the decoded tensors

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy
 import pytest
 
+from hostile import open_under
 from inferscale.kv import durable as durable_module
 from inferscale.kv.durable import READ_BATCH, LocalDir
 
@@ -72,6 +73,23 @@ def test_a_buffer_of_another_size_is_not_a_whole_read(tmp_path, reads):
 
     assert list(LocalDir(tmp_path).read_many(["blob", "blob"], off_by)) == [None, None]
     assert calls == [4096, 4096]
+
+
+def test_a_failed_allocation_loses_no_file(tmp_path, reads):
+    """An allocation that fails mid-batch raises, and every file opened before it is closed."""
+    for name in "abcdefghijkl":
+        (tmp_path / name).write_bytes(b"z" * 64)
+    calls = []
+
+    def failing(size: int) -> numpy.ndarray:
+        calls.append(size)
+        if len(calls) == READ_BATCH + 3:
+            raise MemoryError("no buffer")
+        return numpy.empty(size, dtype=numpy.uint8)
+
+    with ThreadPoolExecutor(2) as pool, pytest.raises(MemoryError):
+        list(LocalDir(tmp_path).read_many(list("abcdefghijkl"), failing, pool))
+    assert not open_under(tmp_path)
 
 
 @needs_reads

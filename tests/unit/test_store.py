@@ -1,14 +1,11 @@
 """Tiered KV store: round trip, corruption, fingerprint, LRU budget, delete."""
 
-import contextlib
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hostile import tried
+from hostile import open_under, tried
 from inferscale.contracts.blob import KVBlob
 from inferscale.contracts.plan import lead_name
 from inferscale.kv.durable import READ_BATCH, LocalDir
@@ -107,15 +104,6 @@ def test_a_batch_of_page_ins_reads_what_a_single_get_reads(tmp_path):
              "ffffffffffffffff/00/gone.safetensors"], [None] * 3)
 
 
-def _open_under(folder) -> list[str]:
-    """The files under ``folder`` this process holds open."""
-    paths = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
-    return [path for path in paths if path.startswith(f"{folder}/")]
-
-
 class _SlowOdd(LocalDir):
     """A directory whose odd-numbered blobs are not read in batches (they take the threads'
     reads, as a blob that changed while it was read would), counting the reads of each kind."""
@@ -159,7 +147,7 @@ def test_page_ins_read_in_batches_are_checked_as_any_other(tmp_path):
     reader = KVStore(split, "f" * 64, host_bytes=1 << 20)
     locations = [s.location for s in stored]
     blobs = reader.get_many(locations + [big.location], [s.checksum for s in [*stored, big]])
-    assert not _open_under(tmp_path)  # every file read is closed
+    assert not open_under(tmp_path)  # every file read is closed
     for blob, i in zip(blobs[:-1], range(n), strict=True):
         assert torch.equal(blob.k, _kv(seed=i)[0]) and torch.equal(blob.v, _kv(seed=i)[1])
     assert torch.equal(blobs[-1].k, _kv(tokens=4200, seed=n)[0]) and blobs[-1].tokens == 4200
