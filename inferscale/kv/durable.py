@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Generator, Hashable, Iterator
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
@@ -183,6 +184,15 @@ def _opened(root: Path, location: str, alloc: Alloc | None) -> _Opened | None:
     return _Opened(fd, buffer, stat)
 
 
+def _files(batch: list[_Opened | None]) -> list[_Opened]:
+    return [file for file in batch if file is not None]
+
+
+def _close(batch: list[_Opened | None]) -> None:
+    for file in _files(batch):
+        os.close(file.fd)
+
+
 def _read_whole(files: list[_Opened]) -> list[bool]:
     """Whether each file filled its buffer and ends there, readahead of all of them asked for
     first: in one call where ``_read_files`` is built, else calls of their own."""
@@ -226,30 +236,39 @@ class LocalDir(Durable):
                   pool: Executor | None = None) -> Generator[Read | None, None, None]:
         """The files read ``READ_BATCH`` at a time, each batch in one call that holds no GIL
         (where ``_read_files`` is built) after asking for readahead of all its files (the disk
-        reads them together): the first batch on the caller's thread, the others on ``pool``
-        while the caller checks the files before. None for a file not read whole (not there,
-        or changed size)."""
-        opened: list[_Opened] = []  # closed whatever happens
-        batches: list[tuple[list[_Opened | None], Future[list[bool]] | None]] = []
+        reads them together): the first batch on the caller's thread, the next ones on
+        ``pool`` (one per reading thread at a time) while the caller checks the files before.
+        None for a file not read whole (not there, or changed size). At most the files of the
+        batches in flight are open."""
+        starts = iter(range(0, len(locations), READ_BATCH))
+        # the batch being checked and those read meanwhile (one per thread), files open
+        pending: deque[tuple[list[_Opened | None], Future[list[bool]] | None]] = deque()
+
+        def start() -> None:
+            """Open the next batch's files and, past the first, read them on the pool."""
+            if (at := next(starts, None)) is None:
+                return
+            batch: list[_Opened | None] = []
+            pending.append((batch, None))  # its files are closed whatever happens
+            for location in locations[at:at + READ_BATCH]:
+                batch.append(_opened(self.root, location, alloc))
+            if pool and at:
+                pending[-1] = (batch, pool.submit(_read_whole, _files(batch)))
+
         try:
-            for at in range(0, len(locations), READ_BATCH):
-                batch: list[_Opened | None] = []
-                for location in locations[at:at + READ_BATCH]:
-                    file = _opened(self.root, location, alloc)
-                    batch.append(file)
-                    if file is not None:
-                        opened.append(file)
-                files = [file for file in batch if file is not None]
-                batches.append((batch, pool.submit(_read_whole, files) if pool and at else None))
-            for batch, reading in batches:
-                whole = iter(reading.result() if reading else
-                             _read_whole([file for file in batch if file is not None]))
+            for _ in range(1 + (self.read_threads if pool else 0)):
+                start()
+            while pending:
+                batch, reading = pending[0]
+                whole = iter(reading.result() if reading else _read_whole(_files(batch)))
                 for file in batch:
                     yield (file.buffer, file_version(file.stat)) if file and next(whole) else None
+                _close(pending.popleft()[0])
+                start()
         finally:
-            wait([reading for _, reading in batches if reading])  # no file is closed mid-read
-            for file in opened:
-                os.close(file.fd)
+            wait([reading for _, reading in pending if reading])  # no file is closed mid-read
+            for batch, _ in pending:
+                _close(batch)
 
     def _read(self, location: str, alloc: Alloc) -> tuple[memoryview, Hashable | None]:
         """The file read with one copy into a buffer from ``alloc``, which the decoded tensors

@@ -61,6 +61,21 @@ def test_read_many_gives_whole_files_in_order_and_none_for_the_rest(tmp_path, re
     assert list(durable.read_many([])) == []
 
 
+def test_only_the_batches_in_flight_hold_files_open(tmp_path, reads):
+    names = [f"f{i}" for i in range(12 * READ_BATCH)]
+    for name in names:
+        (tmp_path / name).write_bytes(name.encode())
+    durable = LocalDir(tmp_path)
+    durable.read_threads = 2
+    most = 0
+    with ThreadPoolExecutor(2) as pool:
+        for name, read in zip(names, durable.read_many(names, pool=pool), strict=True):
+            assert read is not None and bytes(read[0]) == name.encode()
+            most = max(most, len(open_under(tmp_path)))
+    assert 0 < most <= 3 * READ_BATCH < len(names)
+    assert not open_under(tmp_path)
+
+
 def test_a_buffer_of_another_size_is_not_a_whole_read(tmp_path, reads):
     """A file that grew or shrank between its size and its read is not read whole."""
     path = tmp_path / "blob"
