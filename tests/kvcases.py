@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from inferscale.contracts.kv_format import quantize
+from inferscale.contracts.kv_format import FP8, KVPiece, quantize
 
 BF16 = torch.bfloat16
 
@@ -30,6 +30,29 @@ def kv_case(gen: torch.Generator, layers: int, heads: int, dim: int, block_size:
     slots = order[positions // block_size] * block_size + positions % block_size
     scales = (torch.rand(layers, tokens, generator=gen) + 0.5).to(BF16) if scaled else None
     return pieces, positions, slots, scales, (blocks, heads, block_size, 2 * dim)
+
+
+def every_e4m3_code(gen: torch.Generator, layers: int, heads: int, dim: int) -> KVPiece:
+    """An fp8 piece whose K and V rows of each layer hold every finite e4m3 code (0x7F and 0xFF,
+    NaN, are never written) in a random order, with random (scale, zero) params: what each
+    writer must dequantise as torch's float8_e4m3fn does."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 127) != 127]
+    tokens = -(-codes.numel() // (heads * dim))
+    cells = tokens * heads * dim
+    rows = codes.repeat(-(-cells // codes.numel()))[:cells]
+
+    def shuffled() -> torch.Tensor:
+        return torch.stack([rows[torch.randperm(cells, generator=gen)] for _ in range(layers)]
+                           ).view(layers, tokens, heads, dim)
+
+    def params(*shape: int) -> torch.Tensor:
+        scale = torch.rand(*shape, generator=gen) + 0.01
+        return torch.stack([scale, torch.randn(*shape, generator=gen)], dim=-1).to(BF16)
+
+    return KVPiece(k=shuffled(), v=shuffled(), kv_format=FP8,
+                   k_params=params(layers, heads, dim).transpose(-1, -2).contiguous(),
+                   v_params=params(layers, tokens, heads), out_dtype=BF16)
 
 
 def rope_config(layers: int, heads: int, dim: int, partial: float, per_layer: bool,

@@ -42,7 +42,7 @@ class KVBlob(KVPiece):
 
     def piece(self, skip: int = 0) -> KVPiece:
         """Its K/V without the first ``skip`` tokens (views)."""
-        return KVPiece(k=self.k, v=self.v, bits=self.bits, k_params=self.k_params,
+        return KVPiece(k=self.k, v=self.v, kv_format=self.kv_format, k_params=self.k_params,
                        v_params=self.v_params, out_dtype=self.out_dtype).sliced(skip)
 
 
@@ -175,7 +175,7 @@ def _stored(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> KVPie
             or v_params.shape != (layers, tokens, heads, 2)
             or {k_params.dtype, v_params.dtype} != {torch.bfloat16}):
         raise ValueError(f"a {kv_format} blob whose codes and params do not fit its format")
-    return KVPiece(k=k, v=v, bits=bits, k_params=k_params, v_params=v_params,
+    return KVPiece(k=k, v=v, kv_format=kv_format, k_params=k_params, v_params=v_params,
                    out_dtype=out_dtype)
 
 
@@ -191,11 +191,10 @@ def decode_blob(raw: bytes | bytearray | memoryview, known_checksum: str | None 
         checksum = known_checksum
     else:
         names = _TENSORS if stored.bits == RAW_BITS else _TENSORS + _PARAMS
-        checksum = _digest([read.spans[name] for name in names],
-                           str(metadata.get("kv_format", RAW)),
+        checksum = _digest([read.spans[name] for name in names], stored.kv_format,
                            metadata.get("checksum_algorithm", "sha256"))
     verified = checksum if checksum == metadata["checksum"] else None
-    blob = KVBlob(k=stored.k, v=stored.v, bits=stored.bits, k_params=stored.k_params,
+    blob = KVBlob(k=stored.k, v=stored.v, kv_format=stored.kv_format, k_params=stored.k_params,
                   v_params=stored.v_params, out_dtype=stored.out_dtype,
                   token_ids=read.tensors["token_ids"].tolist(),
                   fingerprint=str(metadata["fingerprint"]), window=int(metadata["window"]),

@@ -4,11 +4,15 @@
 integer codes (KIVI's split): keys per channel (one scale and zero per layer, head and channel,
 over the blob's tokens: pre-RoPE keys have outlier channels, not outlier tokens), values per
 token (one per layer, token and head). Codes of b bits sit 8 / b to a byte, element d of a row
-in byte ``d * b // 8`` at bit ``(d % (8 // b)) * b``.
+in byte ``d * b // 8`` at bit ``(d % (8 // b)) * b``. ``fp8``: one fp8 e4m3 (``float8_e4m3fn``)
+byte an element, with the same params: the zero is the middle of the range, and the scale maps
+its half-width to e4m3's largest finite value, 448 (codes 0x7F and 0xFF, NaN, are never
+written).
 
-The dequantised element is ``code * scale + zero`` in fp32, rounded to the blob's dtype. Scale
-and zero are bf16, so the product of a code (at most 8 bits) and a scale is exact in fp32 and
-one rounding (the sum) remains, with or without fused multiply-adds: the portable chain
+The dequantised element is ``value(code) * scale + zero`` in fp32, rounded to the blob's dtype;
+an integer code's value is the integer, an e4m3 code's the fp8 number. Scale and zero are bf16,
+so the product of a value (at most 8 significant bits) and a scale is exact in fp32 and one
+rounding (the sum) remains, with or without fused multiply-adds: the portable chain
 (``dequantized``), the C kernel and the Triton kernel write the same bits.
 """
 
@@ -21,23 +25,29 @@ import torch
 
 RAW = "raw"
 RAW_BITS = 16  # what the kernels call a raw (bf16) row
-FORMATS: dict[str, int] = {RAW: RAW_BITS, "int8": 8, "int4": 4, "int2": 2}
+FP8 = "fp8"
+FORMATS: dict[str, int] = {RAW: RAW_BITS, "int8": 8, "int4": 4, "int2": 2, FP8: 8}  # bits
+FP8_MAX = 448.0  # e4m3's largest finite value
 PARAMS_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True, kw_only=True)
 class KVPiece:
     """K/V of consecutive tokens of one blob as stored: ``[layers, tokens, heads, head_dim]``
-    rows in ``dtype`` (``bits`` 16), or rows of codes ``[layers, tokens, heads, head_dim * bits
-    / 8]`` (uint8) with ``k_params [layers, heads, 2, head_dim]`` (scale, zero per channel) and
-    ``v_params [layers, tokens, heads, 2]`` (scale, zero per token)."""
+    rows in ``dtype`` (``kv_format`` raw), or rows of codes ``[layers, tokens, heads, head_dim *
+    bits / 8]`` (uint8) with ``k_params [layers, heads, 2, head_dim]`` (scale, zero per channel)
+    and ``v_params [layers, tokens, heads, 2]`` (scale, zero per token)."""
 
     k: torch.Tensor
     v: torch.Tensor
-    bits: int = RAW_BITS
+    kv_format: str = RAW
     k_params: torch.Tensor | None = None
     v_params: torch.Tensor | None = None
     out_dtype: torch.dtype | None = None  # what codes dequantise to (raw rows: their dtype)
+
+    @property
+    def bits(self) -> int:
+        return FORMATS[self.kv_format]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -77,21 +87,22 @@ class KVPiece:
         if self.bits == RAW_BITS:
             return self.k, self.v
         assert self.k_params is not None and self.v_params is not None
-        dim = self.shape[3]
         kp, vp = self.k_params.float().unsqueeze(1), self.v_params.float()
-        k = unpack(self.k, self.bits, dim).float() * kp[..., 0, :] + kp[..., 1, :]
-        v = unpack(self.v, self.bits, dim).float() * vp[..., :1] + vp[..., 1:]
+        k = self._values(self.k) * kp[..., 0, :] + kp[..., 1, :]
+        v = self._values(self.v) * vp[..., :1] + vp[..., 1:]
         return k.to(self.dtype), v.to(self.dtype)
+
+    def _values(self, codes: torch.Tensor) -> torch.Tensor:
+        """The values of ``codes`` (fp32), one a row element."""
+        if self.kv_format == FP8:
+            return codes.view(torch.float8_e4m3fn).float()
+        return unpack(codes, self.bits, self.shape[3]).float()
 
 
 def bits_of(kv_format: str) -> int:
     if kv_format not in FORMATS:
         raise ValueError(f"unknown KV format {kv_format!r}; known: {', '.join(FORMATS)}")
     return FORMATS[kv_format]
-
-
-def format_of(bits: int) -> str:
-    return next(name for name, b in FORMATS.items() if b == bits)
 
 
 def unpack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -112,11 +123,16 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (grouped << shifts).sum(-1).to(torch.uint8)
 
 
-def _params(low: torch.Tensor, high: torch.Tensor, levels: int) -> torch.Tensor:
-    """(scale, zero) stacked in the last dimension, bf16: zero the lowest value, scale the step
-    that reaches the highest (rounded up a little, so no code exceeds ``levels``)."""
-    zero = low.to(PARAMS_DTYPE)
-    step = (high - zero.float()).clamp_min(0) / levels
+def _params(low: torch.Tensor, high: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """(scale, zero) stacked in the last dimension, bf16, rounded up a little so that no code
+    leaves its range. Integer codes: zero the lowest value, scale the step that reaches the
+    highest. fp8: zero the middle, scale the half-width over ``FP8_MAX``."""
+    if kv_format == FP8:
+        zero = ((low + high) / 2).to(PARAMS_DTYPE)
+        step = torch.maximum(high - zero.float(), zero.float() - low) / FP8_MAX
+    else:
+        zero = low.to(PARAMS_DTYPE)
+        step = (high - zero.float()).clamp_min(0) / ((1 << FORMATS[kv_format]) - 1)
     scale = (step * (1 + 2**-8)).to(PARAMS_DTYPE)
     scale = torch.where(scale.float() > 0, scale, torch.ones_like(scale))
     return torch.stack([scale, zero], dim=-1)
@@ -129,17 +145,19 @@ def quantize(k: torch.Tensor, v: torch.Tensor, kv_format: str) -> KVPiece:
         return KVPiece(k=k, v=v)
     if k.shape != v.shape or k.dim() != 4 or k.shape[3] % (8 // bits):
         raise ValueError(f"cannot store K/V of shape {tuple(k.shape)} as {kv_format}")
-    levels = (1 << bits) - 1
     kf, vf = k.float(), v.float()
-    k_params = _params(kf.amin(1), kf.amax(1), levels).transpose(-1, -2).contiguous()
-    v_params = _params(vf.amin(-1), vf.amax(-1), levels)
+    k_params = _params(kf.amin(1), kf.amax(1), kv_format).transpose(-1, -2).contiguous()
+    v_params = _params(vf.amin(-1), vf.amax(-1), kv_format)
 
     def codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        return _pack(((x - zero.float()) / scale.float()).round().clamp(0, levels), bits)
+        scaled = (x - zero.float()) / scale.float()
+        if kv_format == FP8:
+            return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        return _pack(scaled.round().clamp(0, (1 << bits) - 1), bits)
 
     kp = k_params.unsqueeze(1)
     return KVPiece(k=codes(kf, kp[..., 0, :], kp[..., 1, :]),
-                   v=codes(vf, v_params[..., :1], v_params[..., 1:]), bits=bits,
+                   v=codes(vf, v_params[..., :1], v_params[..., 1:]), kv_format=kv_format,
                    k_params=k_params, v_params=v_params, out_dtype=k.dtype)
 
 

@@ -4,9 +4,10 @@
    followed by vLLM's cache update, on any CPU: the product of two bf16 values is exact in fp32,
    so each output has one rounding (the fp32 sum) whether a build fuses multiply-adds or not
    (vLLM's AVX-512 build does, its AVX2 build does not); then one rounding to bf16. Rows stored
-   as integer codes (kv_format.py) are dequantised on the way, per head, into a row on the
-   stack: code * scale + zero in fp32 (an exact product: one rounding either way), rounded to
-   bf16, as torch computes it in the portable chain. */
+   as codes (kv_format.py) are dequantised on the way, per head, into a row on the stack:
+   value(code) * scale + zero in fp32 (an exact product: one rounding either way), rounded to
+   bf16, as torch computes it in the portable chain; an integer code's value is the integer,
+   an fp8 code's its e4m3 number. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -59,6 +60,7 @@ typedef struct {
     const int64_t *piece_k, *piece_v;  /* per token: address of its layer-0 K / V row */
     const int64_t *layer_stride;       /* per token: row elements between its layers */
     const int64_t *bits;               /* per token: 16 (bf16 rows) or 8, 4, 2 (codes) */
+    const int64_t *fp8;                /* per token: 1 where its 8-bit codes are e4m3 */
     const int64_t *k_params;           /* per token: its blob's layer-0 [heads][2][dim] */
     const int64_t *v_params;           /* per token: its layer-0 [heads][2] */
     const int64_t *v_params_stride;    /* per token: elements between its layers' params */
@@ -74,15 +76,30 @@ static inline const char *row_of(const int64_t *base, const job_t *j, int64_t la
     return (const char *)(intptr_t)base[t] + layer * j->layer_stride[t] * (j->bits[t] == 16 ? 2 : 1);
 }
 
-/* one head's row of b-bit codes dequantised into out[dim]: per element scale[d * step] and
-   zero[d * step] (keys: per channel, step 1; values: one pair, step 0). The codes are unpacked
-   byte by byte into floats first, then one multiply-add and rounding per element: both loops
-   vectorise. */
+/* the value of each e4m3 (float8_e4m3fn) byte: no infinities, 0x7F and 0xFF NaN */
+static float e4m3_values[256];
+
+static void fill_e4m3_values(void) {
+    for (uint32_t c = 0; c < 256; c++) {
+        const uint32_t sign = (c >> 7) << 31, e = (c >> 3) & 15, m = c & 7;
+        union { uint32_t u; float f; } v = { .u = sign | (e + 120) << 23 | m << 20 };
+        if (e == 0) v.f = (sign ? -1.0f : 1.0f) * (float)m / 512.0f;  /* subnormal: m * 2^-9 */
+        if (e == 15 && m == 7) v.u = 0x7FC00000u;
+        e4m3_values[c] = v.f;
+    }
+}
+
+/* one head's row of b-bit codes (fp8: e4m3 bytes) dequantised into out[dim]: per element
+   scale[d * step] and zero[d * step] (keys: per channel, step 1; values: one pair, step 0).
+   The codes are unpacked byte by byte into floats first, then one multiply-add and rounding
+   per element: both loops vectorise. */
 static inline __attribute__((always_inline)) void dequant(
-        uint16_t *out, const uint8_t *codes, int bits, int64_t dim, const uint16_t *scale,
-        const uint16_t *zero, int64_t step) {
+        uint16_t *out, const uint8_t *codes, int bits, int fp8, int64_t dim,
+        const uint16_t *scale, const uint16_t *zero, int64_t step) {
     float q[MAX_DIM];
-    if (bits == 8) {
+    if (fp8) {
+        for (int64_t d = 0; d < dim; d++) q[d] = e4m3_values[codes[d]];
+    } else if (bits == 8) {
         for (int64_t d = 0; d < dim; d++) q[d] = (float)codes[d];
     } else if (bits == 4) {
         for (int64_t i = 0; i < dim / 2; i++) {
@@ -105,12 +122,17 @@ static inline __attribute__((always_inline)) void dequant(
     }
 }
 
-static inline void dequant_row(uint16_t *out, const uint8_t *codes, int64_t bits, int64_t dim,
-                               const uint16_t *scale, const uint16_t *zero, int64_t step) {
+static inline void dequant_row(uint16_t *out, const uint8_t *codes, int64_t bits, int64_t fp8,
+                               int64_t dim, const uint16_t *scale, const uint16_t *zero,
+                               int64_t step) {
+    if (fp8) {
+        dequant(out, codes, 8, 1, dim, scale, zero, step);
+        return;
+    }
     switch (bits) {
-    case 8: dequant(out, codes, 8, dim, scale, zero, step); break;
-    case 4: dequant(out, codes, 4, dim, scale, zero, step); break;
-    default: dequant(out, codes, 2, dim, scale, zero, step); break;
+    case 8: dequant(out, codes, 8, 0, dim, scale, zero, step); break;
+    case 4: dequant(out, codes, 4, 0, dim, scale, zero, step); break;
+    default: dequant(out, codes, 2, 0, dim, scale, zero, step); break;
     }
 }
 
@@ -157,11 +179,11 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
                                      (layer * heads + h) * 2 * dim;
                 const uint16_t *vp = (const uint16_t *)(intptr_t)j->v_params[t + i] +
                                      layer * j->v_params_stride[t + i] + h * 2;
-                const int64_t code_row = dim * bits / 8;
-                dequant_row(kdq[i], (const uint8_t *)ksrc[i] + h * code_row, bits, dim, kp,
-                            kp + dim, 1);
-                dequant_row(vdq[i], (const uint8_t *)vsrc[i] + h * code_row, bits, dim, vp,
-                            vp + 1, 0);
+                const int64_t code_row = dim * bits / 8, fp8 = j->fp8[t + i];
+                dequant_row(kdq[i], (const uint8_t *)ksrc[i] + h * code_row, bits, fp8, dim,
+                            kp, kp + dim, 1);
+                dequant_row(vdq[i], (const uint8_t *)vsrc[i] + h * code_row, bits, fp8, dim,
+                            vp, vp + 1, 0);
                 kr[i] = kdq[i];
                 vr[i] = vdq[i];
             }
@@ -244,15 +266,15 @@ static int supported(const job_t *j) {
 }
 
 /* inject(layout, layers, heads, dim, rot, block_size, tokens, piece_k, piece_v, layer_stride,
-          bits, k_params, v_params, v_params_stride, slots, positions, cos_sin, layer_rows,
+          bits, fp8, k_params, v_params, v_params_stride, slots, positions, cos_sin, layer_rows,
           scales, caches):
    addresses are ints (0: no scales); the per-token tables are int64 */
 static PyObject *inject(PyObject *self, PyObject *args) {
     job_t j;
-    int64_t layers, a[13];
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim,
+    int64_t layers, a[14];
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim,
                           &j.rot, &j.block_size, &j.tokens, &a[0], &a[1], &a[2], &a[3], &a[4],
-                          &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11], &a[12]))
+                          &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13]))
         return NULL;
     if (!supported(&j) || layers < 0) {
         PyErr_SetString(PyExc_ValueError, "fused KV write: unsupported shape or layout");
@@ -262,15 +284,16 @@ static PyObject *inject(PyObject *self, PyObject *args) {
     j.piece_v = (const int64_t *)(intptr_t)a[1];
     j.layer_stride = (const int64_t *)(intptr_t)a[2];
     j.bits = (const int64_t *)(intptr_t)a[3];
-    j.k_params = (const int64_t *)(intptr_t)a[4];
-    j.v_params = (const int64_t *)(intptr_t)a[5];
-    j.v_params_stride = (const int64_t *)(intptr_t)a[6];
-    j.slots = (const int64_t *)(intptr_t)a[7];
-    j.positions = (const int64_t *)(intptr_t)a[8];
-    j.cos_sin = (const uint16_t *)(intptr_t)a[9];
-    j.layer_rows = (const int64_t *)(intptr_t)a[10];
-    j.scales = (const uint16_t *)(intptr_t)a[11];
-    j.caches = (const int64_t *)(intptr_t)a[12];
+    j.fp8 = (const int64_t *)(intptr_t)a[4];
+    j.k_params = (const int64_t *)(intptr_t)a[5];
+    j.v_params = (const int64_t *)(intptr_t)a[6];
+    j.v_params_stride = (const int64_t *)(intptr_t)a[7];
+    j.slots = (const int64_t *)(intptr_t)a[8];
+    j.positions = (const int64_t *)(intptr_t)a[9];
+    j.cos_sin = (const uint16_t *)(intptr_t)a[10];
+    j.layer_rows = (const int64_t *)(intptr_t)a[11];
+    j.scales = (const uint16_t *)(intptr_t)a[12];
+    j.caches = (const int64_t *)(intptr_t)a[13];
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for schedule(static)
     for (int64_t layer = 0; layer < layers; layer++) inject_layer(&j, layer);
@@ -286,4 +309,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused_cpu", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__fused_cpu(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fused_cpu(void) {
+    fill_e4m3_values();
+    return PyModule_Create(&module);
+}

@@ -9,9 +9,10 @@ kernels, as the chain rounds with it: ``ROUND_ONCE`` each rotated element comput
 rounded to bf16 once (vLLM's CPU kernel), else every product and sum rounded to bf16 (torch's
 bf16 ops; c10's BFloat16 arithmetic rounds so too). Products of two bf16 values are exact in
 fp32, so neither depends on fused multiply-adds. Values reach memory only as bf16 values
-exactly, so the final casts round nothing. A token whose rows are integer codes (``bits`` < 16,
-``kv_format.py``) is dequantised as it is read: code * scale + zero in fp32 (an exact product),
-rounded to bf16.
+exactly, so the final casts round nothing. A token whose rows are codes (``bits`` < 16,
+``kv_format.py``) is dequantised as it is read: value(code) * scale + zero in fp32 (an exact
+product), rounded to bf16, where an integer code's value is the integer and an fp8 code's its
+e4m3 number.
 """
 
 from __future__ import annotations
@@ -30,10 +31,25 @@ def _bf16(x):
 
 
 @triton.jit
-def _row(row, heads, d, mask, bits, params, step, DIM: tl.constexpr):
+def _e4m3(code):
+    """The fp32 value of e4m3 (float8_e4m3fn) bytes ``code`` (int32 0..255): bit operations,
+    so that the interpreter and every GPU agree; 0x7F and 0xFF are NaN."""
+    sign = (code >> 7) & 1
+    exponent = (code >> 3) & 15
+    mantissa = code & 7
+    normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(
+        tl.uint32).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa * 2^-9
+    value = tl.where(exponent == 0, tl.where(sign == 1, -subnormal, subnormal), normal)
+    nan = (code * 0 + 0x7FC00000).to(tl.uint32).to(tl.float32, bitcast=True)
+    return tl.where((code & 127) == 127, nan, value)
+
+
+@triton.jit
+def _row(row, heads, d, mask, bits, fp8, params, step, DIM: tl.constexpr):
     """Elements ``d`` of rows ``heads`` (fp32): bf16 rows at ``row``, or b-bit codes there
-    dequantised with (scale, zero) pairs at ``params`` (per head ``2 * step``: one pair per
-    element with ``step`` DIM, else one per head)."""
+    (``fp8``: e4m3 bytes) dequantised with (scale, zero) pairs at ``params`` (per head
+    ``2 * step``: one pair per element with ``step`` DIM, else one per head)."""
     if bits == 16:
         out = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + heads * DIM + d,
                       mask=mask).to(tl.float32)
@@ -42,15 +58,19 @@ def _row(row, heads, d, mask, bits, params, step, DIM: tl.constexpr):
         codes = row.to(tl.pointer_type(tl.uint8)) + heads * (DIM * bits // 8) + d // per
         code = (tl.load(codes, mask=mask).to(tl.int32) >> ((d % per) * bits)) & (
             (1 << bits) - 1)
+        value = code.to(tl.float32)
+        if fp8 != 0:
+            value = _e4m3(code)
         pair = params + heads * 2 * step + d * (step // DIM)
         scale = tl.load(pair, mask=mask).to(tl.float32)
         zero = tl.load(pair + step, mask=mask).to(tl.float32)
-        out = _bf16(code.to(tl.float32) * scale + zero)
+        out = _bf16(value * scale + zero)
     return out
 
 
 @triton.jit
-def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_params_strides,
+def inject_kernel(keys, values, layer_strides, bits_of, fp8_of, k_params, v_params,
+                  v_params_strides,
                   positions, slots, cos_sin, scales, caches, layer_rows, tokens, block_size,
                   stride_block, stride_head, stride_slot, HEADS: tl.constexpr, DIM: tl.constexpr,
                   ROT: tl.constexpr, HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr,
@@ -59,6 +79,7 @@ def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_pa
     token = tl.program_id(0)
     layer = tl.program_id(1)
     bits = tl.load(bits_of + token)
+    fp8 = tl.load(fp8_of + token)
     offset = tl.load(layer_strides + token) * layer * tl.where(bits == 16, 2, 1)  # bytes
     key_row = tl.load(keys + token).to(tl.pointer_type(tl.uint8)) + offset
     value_row = tl.load(values + token).to(tl.pointer_type(tl.uint8)) + offset
@@ -78,8 +99,8 @@ def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_pa
     half = ROT // 2
     d = tl.arange(0, HALF_P2)[None, :]
     rotated = (heads < HEADS) & (d < half)
-    x = _row(key_row, heads, d, rotated, bits, key_params, DIM, DIM)
-    y = _row(key_row, heads, d + half, rotated, bits, key_params, DIM, DIM)
+    x = _row(key_row, heads, d, rotated, bits, fp8, key_params, DIM, DIM)
+    y = _row(key_row, heads, d + half, rotated, bits, fp8, key_params, DIM, DIM)
     cos = tl.load(cos_sin + table_row * ROT + d, mask=d < half).to(tl.float32)
     sin = tl.load(cos_sin + table_row * ROT + half + d, mask=d < half).to(tl.float32)
     if SCALED:
@@ -97,7 +118,7 @@ def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_pa
     if ROT < DIM:  # the dimensions RoPE leaves alone: scaled only
         r = ROT + tl.arange(0, REST_P2)[None, :]
         rest = (heads < HEADS) & (r < DIM)
-        kept = _row(key_row, heads, r, rest, bits, key_params, DIM, DIM)
+        kept = _row(key_row, heads, r, rest, bits, fp8, key_params, DIM, DIM)
         if SCALED:
             kept = _bf16(kept * scale)
         tl.store(out + heads * stride_head + r, kept.to(tl.bfloat16), mask=rest)
@@ -105,5 +126,5 @@ def inject_kernel(keys, values, layer_strides, bits_of, k_params, v_params, v_pa
     v = tl.arange(0, DIM_P2)[None, :]
     row = (heads < HEADS) & (v < DIM)
     tl.store(out + heads * stride_head + DIM + v,
-             _row(value_row, heads, v, row, bits, value_params, 1, DIM).to(tl.bfloat16),
+             _row(value_row, heads, v, row, bits, fp8, value_params, 1, DIM).to(tl.bfloat16),
              mask=row)

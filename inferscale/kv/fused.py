@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-from inferscale.contracts.kv_format import FORMATS, RAW_BITS, KVPiece, PieceLike, as_piece, quantize
+from inferscale.contracts.kv_format import (
+    FORMATS,
+    FP8,
+    RAW_BITS,
+    KVPiece,
+    PieceLike,
+    as_piece,
+    quantize,
+)
 from inferscale.kv.chain import to_device
 from inferscale.kv.rope import ChunkedRope
 
@@ -97,7 +105,8 @@ class _FusedWriter:
                 ) -> dict[str, Any] | None:
         """Check the request against the caches and build, on the host, per token: the
         addresses of its stored K and V rows of layer 0, its blob's layer stride (row
-        elements), its rows' bits (16: bf16, else codes) with the addresses of its params,
+        elements), its rows' bits (16: bf16, else codes) and whether its codes are fp8, with
+        the addresses of its params,
         its position and slot; then the scales and the caches' addresses. None: no tokens.
         Raises ValueError for anything the kernel cannot take as it is."""
         stored = [as_piece(piece) for piece in pieces]
@@ -143,6 +152,7 @@ class _FusedWriter:
             "values": rows([piece.v for piece in stored]),
             "strides": per_token([piece.k.stride(0) for piece in stored]),
             "bits": per_token([piece.bits for piece in stored]),
+            "fp8": per_token([piece.kv_format == FP8 for piece in stored]),
             "k_params": per_token([0 if piece.k_params is None else piece.k_params.data_ptr()
                                    for piece in stored]),
             "v_params": rows(v_params),
@@ -157,7 +167,7 @@ class _FusedWriter:
         codes with bf16 params) of ``shape`` (layers, heads, head_dim), heads and elements
         contiguous, K and V alike, on the writer's device, dequantising to bf16."""
         layers, heads, dim = shape
-        if piece.bits not in FORMATS.values() or piece.dtype != torch.bfloat16:
+        if piece.kv_format not in FORMATS or piece.dtype != torch.bfloat16:
             raise ValueError("fused KV write: a piece does not hold bf16 K/V")
         if piece.v.stride(0) != piece.k.stride(0):
             raise ValueError("fused KV write: a piece's K and V are laid out differently")
@@ -220,7 +230,7 @@ class FusedCpuWriter(_FusedWriter):
         _fused_cpu.inject(self._layout, t["layers"], t["heads"], t["dim"], self._rotary_dim,
                         t["block_size"], t["tokens"], t["keys"].data_ptr(),
                         t["values"].data_ptr(), t["strides"].data_ptr(), t["bits"].data_ptr(),
-                        t["k_params"].data_ptr(), t["v_params"].data_ptr(),
+                        t["fp8"].data_ptr(), t["k_params"].data_ptr(), t["v_params"].data_ptr(),
                         t["v_params_strides"].data_ptr(), t["slots"].data_ptr(),
                         t["positions"].data_ptr(),
                         self._cos_sin.data_ptr(), self._layer_rows.data_ptr(),
@@ -271,7 +281,7 @@ class FusedTritonWriter(_FusedWriter):
         if t is None:
             return
         tokens, layers = t["tokens"], t["layers"]
-        per_token = ("keys", "values", "strides", "bits", "k_params", "v_params",
+        per_token = ("keys", "values", "strides", "bits", "fp8", "k_params", "v_params",
                      "v_params_strides", "positions", "slots")
         ints = torch.cat([t[name] for name in (*per_token, "caches")])
         scaled = t["scales"] is not None
@@ -303,7 +313,7 @@ def fused_writers(layers: Sequence[tuple[int, Any]], num_layers: int, rope: Chun
 def writes_like(writer: FusedCpuWriter | FusedTritonWriter, chain: ChainWrite,
                 kv_shape: tuple[int, int, int], block_size: int) -> bool:
     """Both write random pieces (bf16 rows, one not starting at its blob's first token, and
-    int4 and int8 codes), scaled, at positions across block boundaries, into two small caches
+    int4, int8 and fp8 codes), scaled, at positions across block boundaries, into two small caches
     on the writer's device: same bits? ``kv_shape``: (layers, KV heads, head_dim)."""
     gen = torch.Generator().manual_seed(0)
     num_layers, heads, dim = kv_shape
@@ -315,8 +325,8 @@ def writes_like(writer: FusedCpuWriter | FusedTritonWriter, chain: ChainWrite,
     pieces: list[PieceLike] = [
         (random(7)[:, 2:], random(7)[:, 2:]),
         quantize(random(block_size + 1), random(block_size + 1), "int4").sliced(1),
-        quantize(random(3), random(3), "int8")]
-    tokens = 8 + block_size
+        quantize(random(3), random(3), "int8"), quantize(random(2), random(2), FP8)]
+    tokens = 10 + block_size
     positions = torch.arange(3, 3 + tokens)
     blocks = (3 + tokens) // block_size + 1
     order = torch.randperm(blocks, generator=gen)

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # the names of ``inferscale.contracts.kv_format.FORMATS`` (settings import no torch)
-KVFormat = Literal["raw", "int8", "int4", "int2"]
+KVFormat = Literal["raw", "int8", "int4", "int2", "fp8"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -144,9 +144,10 @@ class Settings(BaseSettings):
     # where it holds one) (docs/results/cost.md).
     lead_share: float = Field(default=0.25, ge=0, le=1, allow_inf_nan=False)
     # How facts' K/V are stored at rest (``contracts/kv_format.py``): "raw" (the model's KV
-    # dtype as encoded) or integer codes, keys per channel and values per token ("int8",
-    # "int4", "int2"), dequantised inside the fused write. Each blob records its format, so a
-    # store may hold several: a change applies to the facts encoded after it.
+    # dtype as encoded), integer codes ("int8", "int4", "int2") or fp8 e4m3 bytes ("fp8"),
+    # keys per channel and values per token, dequantised inside the fused write. Each blob
+    # records its format, so a store may hold several: a change applies to the facts encoded
+    # after it.
     kv_format: KVFormat = "int4"
     lead_kv_format: KVFormat | None = None  # the lead encodings' format (None: kv_format)
     # KV budget of the durable tier, in bytes (None: none). The encode stage evicts the KV of

@@ -108,7 +108,7 @@ async def _restore(engine, store, fact_id: int, k, v, token_ids, kv_format: str)
     return stored.checksum
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "int2"])
+@pytest.mark.parametrize("kv_format", ["int8", "fp8", "int2"])
 async def test_a_coded_blob_injects_exactly_its_dequantised_values(
         tiny_served, settings, tiny_models, engine, embedder, kv_format):
     """Served through vLLM, a coded blob answers exactly as a raw blob holding its

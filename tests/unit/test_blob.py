@@ -147,13 +147,14 @@ def test_a_damaged_blob_decodes_unverified_or_raises(data):
         assert torch.equal(blob.k, _kv()[0]) and blob.token_ids == [1, 2, 3, 4]
 
 
-CODED = ["int8", "int4", "int2"]
+CODED = ["int8", "fp8", "int4", "int2"]
 
 
 @pytest.mark.parametrize("kv_format", ["raw", *CODED])
 def test_each_format_round_trips_within_half_a_step(kv_format):
-    """Codes dequantise to within half a quantisation step (plus the dtype's rounding) of the
-    encoded K/V; raw blobs are exact. The format is recorded and verified with the blob."""
+    """Codes dequantise to within half a quantisation step (fp8: half an e4m3 step, relative)
+    plus the dtype's rounding of the encoded K/V; raw blobs are exact. The format is recorded
+    and verified with the blob."""
     k, v = _kv(tokens=9)
     raw, checksum = encode_blob(k, v, list(range(9)), "f" * 64, window=0, kv_format=kv_format)
     blob, verified = decode_blob(raw)
@@ -163,10 +164,15 @@ def test_each_format_round_trips_within_half_a_step(kv_format):
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
         return
     assert blob.k_params is not None and blob.v_params is not None
-    k_step = blob.k_params[:, None, :, 0, :].float()  # per channel
-    v_step = blob.v_params[..., :1].float()  # per token
-    for got, want, step in ((got_k, k, k_step), (got_v, v, v_step)):
+    k_params = blob.k_params[:, None].float().transpose(-1, -2)  # per channel
+    v_params = blob.v_params.float()[..., None, :]  # per token
+    for got, want, params in ((got_k, k, k_params), (got_v, v, v_params)):
         error = (got.float() - want.float()).abs()
+        scale, zero = params[..., 0], params[..., 1]
+        if kv_format == "fp8":  # 3 mantissa bits; subnormal steps of 2^-9
+            step = (want.float() - zero).abs() * 2**-3 + scale * 2**-9
+        else:
+            step = scale
         assert (error <= step * 0.51 + want.float().abs() * 2**-7).all()
 
 
@@ -174,7 +180,7 @@ def test_coded_formats_take_the_bytes_their_bits_say():
     """A SmolLM2-135M-shaped fact (30 layers, 44 tokens, 3 KV heads, head_dim 64)."""
     k, v = torch.randn(2, 30, 44, 3, 64).to(torch.bfloat16)
     sizes = {f: len(encode_blob(k, v, [1] * 44, "f" * 64, 0, f)[0]) for f in ["raw", *CODED]}
-    assert sizes["int8"] < 0.56 * sizes["raw"]
+    assert sizes["int8"] < 0.56 * sizes["raw"] and sizes["fp8"] == sizes["int8"]
     assert sizes["int4"] < 0.30 * sizes["raw"]
     assert sizes["int2"] < 0.17 * sizes["raw"]
 
@@ -187,6 +193,12 @@ def test_an_unknown_format_is_refused_when_writing():
 def _coded_forgeries() -> list[tuple[str, bytes]]:
     raw, _ = encode_blob(*_kv(), [1, 2, 3, 4], "f" * 64, window=0, kv_format="int4")
     header, body = _header(raw)
+    int8, _ = encode_blob(*_kv(), [1, 2, 3, 4], "f" * 64, window=0, kv_format="int8")
+
+    def relabelled(blob: bytes, name: str) -> bytes:  # the same bytes under another format
+        forged, rest = _header(blob)
+        forged["__metadata__"]["kv_format"] = name
+        return _with_header(forged, rest)
 
     def edit(change) -> bytes:
         forged = json.loads(json.dumps(header))
@@ -201,7 +213,9 @@ def _coded_forgeries() -> list[tuple[str, bytes]]:
         ("labelled int8", edit(label("int8"))),
         ("labelled raw", edit(label("raw"))),
         ("label dropped", edit(lambda h: h["__metadata__"].pop("kv_format"))),
-        ("unknown format", edit(label("fp8"))),
+        ("labelled fp8", edit(label("fp8"))),
+        ("int8 codes labelled fp8", relabelled(int8, "fp8")),  # fits the shapes: the digest
+        ("unknown format", edit(label("fp4"))),
         ("params missing", edit(lambda h: h.pop("k_params"))),
         ("params as codes", edit(lambda h: h["v_params"].update(dtype="U8"))),
         ("codes as bf16", edit(lambda h: h["k"].update(dtype="BF16", shape=[2, 4, 2, 2]))),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcases import kv_case, rope_config
+from kvcases import every_e4m3_code, kv_case, rope_config
 from vllm import _custom_ops as ops
 
 from inferscale.contracts.kv_format import FORMATS, as_piece
@@ -88,6 +88,22 @@ def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_s
     for layer in range(layers):
         assert torch.equal(ours[layer], theirs[layer])
     assert all(cache.abs().sum() > 0 for cache in ours)  # something was written
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", sorted(LAYOUTS))
+def test_every_e4m3_code_dequantises_as_torch_does(isa):
+    """The kernel's e4m3 values (subnormals, signed zeros, 448) are torch's float8_e4m3fn."""
+    gen = torch.Generator().manual_seed(1)
+    piece = every_e4m3_code(gen, 2, 2, 64)
+    positions = torch.arange(5, 5 + piece.tokens)
+    slots = positions + 32
+    rope = _rope(2, 2, 64, 1.0)
+    ours = [torch.zeros(4, 2, 32, 128, dtype=BF16) for _ in range(2)]
+    theirs = [torch.zeros(4, 2, 32, 128, dtype=BF16) for _ in range(2)]
+    FusedCpuWriter(LAYOUTS[isa], rope).write([piece], positions, slots, None, ours)
+    _chain([piece], positions, slots, None, theirs, rope, isa)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def _writer_and_case(**overrides):

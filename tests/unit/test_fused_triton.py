@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcases import kv_case, rope_config
+from kvcases import every_e4m3_code, kv_case, rope_config
 
 from inferscale.contracts.kv_format import FORMATS
 from inferscale.kv.chain import ChainWriter
@@ -71,6 +71,18 @@ def test_the_triton_writer_writes_the_chains_bits(heads, dim, partial, lengths, 
                           device_type="cpu").write(pieces, positions, slots, scales, ours)
         ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(theirs))
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_every_e4m3_code_dequantises_as_torch_does():
+    """The kernel's e4m3 values (bit operations) are torch's float8_e4m3fn, code by code."""
+    piece = every_e4m3_code(torch.Generator().manual_seed(1), 2, 2, 64)
+    positions = torch.arange(5, 5 + piece.tokens)
+    rope = _rope(2, 64, 1.0, False)
+    ours, theirs = _zeros((4, 2, 16, 128)), _zeros((4, 2, 16, 128))
+    FusedTritonWriter(rope, device_type="cpu").write([piece], positions, positions + 16, None,
+                                                     ours)
+    ChainWriter(rope).write([piece], positions, positions + 16, None, flash_update(theirs))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 @pytest.mark.parametrize("vllm_kernel", [False, True])
