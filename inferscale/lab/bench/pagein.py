@@ -198,7 +198,8 @@ def _cold_ms(durable: Durable, shape: tuple[int, int, int], dtype: torch.dtype, 
 def _request_floor_ms(durable: Durable, k: int) -> dict[str, float]:
     """Median ms to read k one-byte objects, one by one and concurrently (on the threads a
     store uses): what a page-in's requests cost with no bytes to move, the floor under every
-    format's page-in from this tier."""
+    format's page-in from this tier; and the CPU this process spent on them (the client's
+    share of the floor where the endpoint is another process)."""
     locations = [f"request-floor/{uuid.uuid4().hex[:2]}/{i}" for i in range(k)]
     for location in locations:
         durable.write(location, b"x")
@@ -206,12 +207,14 @@ def _request_floor_ms(durable: Durable, k: int) -> dict[str, float]:
     with ThreadPoolExecutor(durable.read_threads) as pool:
         for mode, read_all in (("sequential", lambda: [durable.read(at) for at in locations]),
                                ("concurrent", lambda: list(pool.map(durable.read, locations)))):
-            samples = []
+            samples, cpu = [], []
             for _ in range(REPEATS + 1):  # the first warms connections and threads up
-                began = time.perf_counter()
+                began, began_cpu = time.perf_counter(), time.process_time()
                 read_all()
                 samples.append(time.perf_counter() - began)
+                cpu.append(time.process_time() - began_cpu)
             floor[f"request_floor_{mode}_ms"] = statistics.median(samples[1:]) * 1e3
+            floor[f"request_floor_{mode}_client_cpu_ms"] = statistics.median(cpu[1:]) * 1e3
     durable.delete_many(locations)
     return floor
 
@@ -288,6 +291,7 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                  "one by one ms", "concurrent, fresh buffers ms", "concurrent, arena ms",
                  "concurrent, arena reused ms", "x raw (arena)", "x raw (reused)",
                  "request floor, one by one ms", "request floor, concurrent ms",
+                 "client CPU of the floor, one by one ms", "client CPU of the floor, concurrent ms",
                  "fused write ms", "write in windows ms"],
                 [[r["tier"], r["format"], r["k"], r["blob_bytes"] / 1e3, r["host_tier_ms"],
                   r["cold_sequential_ms"], r["cold_concurrent_ms"],
@@ -299,7 +303,9 @@ def run(settings: Settings, model_path: Path, out_dir: Path,
                   r["sequential_ms"], r["fresh_buffers_ms"], r["concurrent_ms"],
                   r["reused_ms"], r["concurrent_speedup_vs_raw"], r["reused_speedup_vs_raw"],
                   r.get("request_floor_sequential_ms"), r.get("request_floor_concurrent_ms"),
-                  r["fused_write_ms"], r["fused_write_windows_ms"]]
+                  r.get("request_floor_sequential_client_cpu_ms"),
+                  r.get("request_floor_concurrent_client_cpu_ms"), r["fused_write_ms"],
+                  r["fused_write_windows_ms"]]
                  for r in results])
     report = {"tokens_per_fact": TOKENS_PER_FACT, "repeats": REPEATS, "results": results}
     write_report(out_dir, "pagein", report)
