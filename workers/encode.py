@@ -311,6 +311,10 @@ class EncodeWorker(BatchStage):
         for fact, span in zip(pending, spans, strict=True):
             try:
                 lead = leads.get(fact.id)
+                if lead is None and fact.claim > 1 and not fact.reencode:
+                    # a claimer that died after writing a lead blob this encoding does not
+                    # want (the memory grew meanwhile) left one that no row names
+                    self.store.delete([self.store.location_for(lead_name(fact.id))])
                 stored_lead = None if lead is None else self.store.put(
                     lead_name(fact.id), lead.k, lead.v, lead.token_ids, window=0,
                     kv_format=self.settings.lead_kv_format or self.settings.kv_format)

@@ -167,6 +167,31 @@ async def test_lead_blobs_go_to_small_memories_and_a_share_of_the_rest(settings,
         assert row.kv_bytes == sum(p.stat().st_size for p in files)  # what the budget counts
 
 
+async def test_a_lead_blob_left_by_a_dead_claimer_goes_when_its_fact_needs_none(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    """A worker that died after writing a fact's lead blob, before recording it, leaves a blob
+    that the next encoding may not want (the memory grew meanwhile): that encoding removes it,
+    so the durable tier holds only the blobs rows name."""
+    settings = settings.model_copy(update={"window": 2, "lead_share": 0.0, "encode_lease_s": 0.5,
+                                           "encode_backfill": False})
+    turns = sample_turns(f"dead-lead-{uuid.uuid4().hex[:6]}")[:4]
+    await _ingest(settings, engine, embedder, turns)
+    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
+    async with engine.begin() as conn:  # a worker claims the facts...
+        claimed = await claim_pending_facts(conn, 10, 2, 3, settings.encode_lease_s, 3)
+    last = max(claimed, key=lambda fact: fact.id)
+    stray = torch.zeros(2, 3, 1, 8, dtype=torch.bfloat16)  # ...writes a lead blob and dies
+    store.put(lead_name(last.id), stray, stray.clone(), [1, 2, 3], window=0)
+    await asyncio.sleep(0.6)  # its lease runs out
+    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    rows = await _user_facts(engine, turns[0].user_id)
+    assert all(row.kv_location for row in rows)
+    # the second fact had one other before it (a small memory); the last has its window
+    assert [r.kv_lead_checksum is not None for r in rows] == [False, True, False, False]
+    on_disk = {p.name for p in (tmp_path / "kv").rglob("*.lead.safetensors")}
+    assert on_disk == {f"{lead_name(rows[1].id)}.safetensors"}
+
+
 @pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])
 async def test_durable_tier_errors_are_recorded_and_retried_until_they_clear(
         error, settings, engine, embedder, tiny_encoder, tiny_models, tmp_path):
