@@ -70,8 +70,8 @@ def _row(row, heads, d, mask, bits, fp8, params, step, DIM: tl.constexpr):
 
 @triton.jit
 def inject_kernel(keys, values, layer_strides, bits_of, fp8_of, k_params, v_params,
-                  v_params_strides,
-                  positions, slots, cos_sin, scales, caches, layer_rows, tokens, block_size,
+                  v_params_strides, positions, slots, cos_sin, scales, caches, layer_rows,
+                  tokens, block_size,
                   stride_block, stride_head, stride_slot, HEADS: tl.constexpr, DIM: tl.constexpr,
                   ROT: tl.constexpr, HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr,
                   REST_P2: tl.constexpr, DIM_P2: tl.constexpr, SCALED: tl.constexpr,

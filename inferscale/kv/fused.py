@@ -106,8 +106,8 @@ class _FusedWriter:
         """Check the request against the caches and build, on the host, per token: the
         addresses of its stored K and V rows of layer 0, its blob's layer stride (row
         elements), its rows' bits (16: bf16, else codes) and whether its codes are fp8, with
-        the addresses of its params,
-        its position and slot; then the scales and the caches' addresses. None: no tokens.
+        the addresses of its params, its position and slot; then the scales and the caches'
+        addresses. None: no tokens.
         Raises ValueError for anything the kernel cannot take as it is."""
         stored = [as_piece(piece) for piece in pieces]
         layers, _, heads, dim = stored[0].shape
