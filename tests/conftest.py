@@ -114,8 +114,8 @@ async def _drop_backlog(url: str) -> None:
 
     conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
     try:
-        await conn.execute("DELETE FROM facts WHERE kv_location IS NULL")
-        await conn.execute("UPDATE facts SET backfill_due = false WHERE backfill_due")
+        await conn.execute("DELETE FROM facts")
+        await conn.execute("DELETE FROM kv_models")
         await conn.execute("DELETE FROM turns WHERE extracted_at IS NULL")
     finally:
         await conn.close()
@@ -123,11 +123,12 @@ async def _drop_backlog(url: str) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def no_backlog_between_modules():
-    """Each module leaves no work behind: the shared database's turns waiting for extraction
-    and facts waiting for KV (or a backfill) are removed after it. The suites' drains take
-    every pending item, so a module's leftovers became the next module's work: the 1,900 facts
-    the retrieval tests store without KV, encoded with SmolLM2 by the serving tests' first
-    drain, took 15 minutes on 2 cores and looked like a stuck forward pass (#38)."""
+    """Each module leaves no work behind: the shared database's turns waiting for extraction,
+    its facts and its registered models are removed after it. The suites' drains take every
+    pending item, so a module's leftovers became the next module's work: the 1,900 facts the
+    retrieval tests store without KV, encoded with SmolLM2 by the serving tests' first drain,
+    took 15 minutes on 2 cores and looked like a stuck forward pass (#38). Facts with KV go
+    too: a worker registering a model enrols every live fact for it."""
     yield
     if SUITE_DATABASE:  # on a thread of its own: this thread's event loop belongs to pytest
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

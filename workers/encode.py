@@ -15,8 +15,11 @@ memory tier serves a blob only under the checksum the plan expects.
 Lead blobs (``lead_share``): a fact gets a second blob, encoded after the preamble alone, where
 its owner's memory is small or its id hashes into the share; servers put one such fact first.
 
-Model migration (``encode_migrate``): when nothing else waits, facts whose KV was made for
-another model are encoded for this one; the other model's blobs go once the row names the new.
+Several models (``fact_kv``): the stage registers its model at start, so every live fact (and
+every fact inserted later) waits for this model's KV too, the facts of before after the fresh
+ones; other models' KV stays for their servers. Model migration (``encode_migrate``): when
+nothing else waits, the KV of every other model of facts that have this model's goes (rows, then
+blobs).
 
 KV budget (``kv_budget_bytes``, ``kv_user_budget_bytes``): every ``kv_evict_interval_s`` the
 stage evicts the KV of the least recently served users (and each user's oldest encodings beyond
@@ -41,12 +44,13 @@ from inferscale.db.encode_queue import (
     PendingFact,
     Recorded,
     claim_backfill_facts,
-    claim_migrating_facts,
     claim_pending_facts,
+    drop_other_models,
     mark_backfill_due,
     quarantine_crashed_facts,
     record_encode_failure,
     record_encoded,
+    register_model,
 )
 from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes
 from inferscale.kv.encoder import FactEncoder, ensure_preamble, load_encoder
@@ -86,7 +90,7 @@ class EncodeStats:
     encoded: int = 0
     reencoded: int = 0  # of those, facts encoded again after a wider context (backfill)
     restored: int = 0  # of those, facts whose KV had been evicted, wanted back by a request
-    migrated: int = 0  # of those, facts whose KV had been made for another model
+    migrated: int = 0  # of those, facts whose KV for other models went (encode_migrate)
     failed: int = 0
     batches: int = 0
 
@@ -106,6 +110,7 @@ class EncodeWorker(BatchStage):
         self.model_thread = ModelThread("encode")
         self.stats = EncodeStats()
         self._preamble_ready = False
+        self._registered = False
         self._next_sweep = 0.0
         self._next_eviction = 0.0
 
@@ -185,30 +190,32 @@ class EncodeWorker(BatchStage):
         return s.encode_backfill and s.encode_context == "neighbours" and s.window > 0
 
     async def encode_pending(self) -> int:
-        """Encode one batch of pending facts (when none are pending, of facts due for
-        backfill, then of facts of another model to migrate); returns how many it handled."""
+        """Register the model (the first time), then encode one batch of facts waiting for its
+        KV (when none are, of facts due for backfill; then drop a batch of other models' KV when
+        migrating); returns how many facts it handled."""
         s = self.settings
+        model = self.store.fingerprint
+        if not self._registered:  # once (in the batch: retried while the database restarts)
+            async with self.engine.begin() as conn:
+                enrolled = await register_model(conn, model)
+            self._registered = True
+            if enrolled:
+                log.info("registered model %s: %d facts wait for its KV", model[:16], enrolled)
         async with self.engine.begin() as conn:
-            quarantined = await quarantine_crashed_facts(conn, s.encode_max_crashes)
-            pending = await claim_pending_facts(conn, s.encode_batch_size, s.window,
+            quarantined = await quarantine_crashed_facts(conn, model, s.encode_max_crashes)
+            pending = await claim_pending_facts(conn, model, s.encode_batch_size, s.window,
                                                 s.encode_max_attempts, s.encode_lease_s,
                                                 s.encode_max_crashes, s.encode_context,
                                                 self._backfill)
             if not pending and self._backfill:
-                pending = await claim_backfill_facts(conn, s.encode_batch_size, s.window,
-                                                     s.encode_lease_s, s.encode_max_crashes,
-                                                     self.store.fingerprint)
-            if not pending and s.encode_migrate:
-                pending = await claim_migrating_facts(
-                    conn, s.encode_batch_size, s.window, s.encode_lease_s,
-                    s.encode_max_crashes, self.store.fingerprint, s.encode_context,
-                    self._backfill)
+                pending = await claim_backfill_facts(conn, model, s.encode_batch_size, s.window,
+                                                     s.encode_lease_s, s.encode_max_crashes)
         if quarantined:
             log.error("quarantined facts %s: workers died %d times while encoding each (they "
                       "are served as text)", quarantined, s.encode_max_crashes)
-        if not pending:
-            return 0
         loop = asyncio.get_running_loop()
+        if not pending:
+            return await self._migrate() if s.encode_migrate else 0
         with observe.BATCH_SECONDS.labels("encode").time():
             done, failures = await self._model_call(
                 f"encode of facts {[fact.id for fact in pending]}",
@@ -223,12 +230,6 @@ class EncodeWorker(BatchStage):
         gone = outcome.gone
         if gone:  # their user was forgotten meanwhile: leave no KV of theirs behind
             await loop.run_in_executor(None, self.store.delete, [r["location"] for r in gone])
-        # KV that was another model's (a migration): removed once the row names the new KV
-        if replaced := [r["replaced"] for r in outcome.recorded
-                        if r["replaced"] not in (None, r["location"])]:
-            await loop.run_in_executor(None, self.store.delete, replaced)
-            self.stats.migrated += len(replaced)
-            observe.KV_MIGRATED_FACTS.inc(len(replaced))
         self.stats.batches += 1
         self.stats.encoded += len(done) - len(gone)
         reencoded = sum(r["reencode"] for r in done) - sum(r["reencode"] for r in gone)
@@ -259,15 +260,28 @@ class EncodeWorker(BatchStage):
         """Commit the batch's outcomes (ending its leases) and mark the batch's users' early
         facts for backfill where due."""
         s = self.settings
+        model = self.store.fingerprint
         async with self.engine.begin() as conn:
             recorded = await record_encoded(conn, done)
             for fact, error in failures:
-                await record_encode_failure(conn, fact, error, s.encode_retry_base_s,
+                await record_encode_failure(conn, model, fact, error, s.encode_retry_base_s,
                                             s.encode_retry_max_s)
             if self._backfill:
-                await mark_backfill_due(conn, users, s.window)
+                await mark_backfill_due(conn, model, users, s.window)
             failpoints.hit("encode.before_db_commit")
         return recorded
+
+    async def _migrate(self) -> int:
+        """Drop a batch of other models' KV of facts that have this model's: rows, then blobs
+        (a kill in between leaves blobs no row names, which the orphan sweep removes)."""
+        async with self.engine.begin() as conn:
+            dropped = await drop_other_models(conn, self.store.fingerprint,
+                                              self.settings.encode_batch_size)
+        if held := [location for location in dropped if location]:
+            await asyncio.to_thread(self.store.delete, held)
+        self.stats.migrated += len(dropped)
+        observe.KV_MIGRATED_FACTS.inc(len(dropped))
+        return len(dropped)
 
     def _encode_and_store(self, pending: list[PendingFact]
                           ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
@@ -327,7 +341,7 @@ class EncodeWorker(BatchStage):
             rows.append({
                 "id": fact.id, "claim": fact.claim, "token_ids": span.token_ids,
                 "window": self.settings.window, "context_facts": len(fact.context),
-                "reencode": fact.reencode, "restored": fact.restored, "replaced": fact.replaced,
+                "reencode": fact.reencode, "restored": fact.restored,
                 "fingerprint": self.store.fingerprint,
                 "location": stored.location, "checksum": stored.checksum,
                 "nbytes": stored.nbytes + (stored_lead.nbytes if stored_lead else 0),

@@ -98,7 +98,7 @@ class ExtractWorker(BatchStage):
             retire = [replace(r, by=position[r.by]) if r.by is not None else r
                       for r in plan.retire]
 
-            async def record() -> tuple[int, list[tuple[str, str | None]]]:
+            async def record() -> tuple[int, list[tuple[str, list[str]]]]:
                 async with self.engine.begin() as conn:
                     stored = await record_extraction(conn, claimed, new_facts, retire)
                     failpoints.hit("extract.before_db_commit")
@@ -162,12 +162,12 @@ class ExtractWorker(BatchStage):
                           retire=[replace(r, by=asked[r.by]) if r.by is not None else r
                                   for r in plan.retire])
 
-    async def _drop_blobs(self, retired: list[tuple[str, str | None]]) -> None:
+    async def _drop_blobs(self, retired: list[tuple[str, list[str]]]) -> None:
         """Remove retired facts' blobs from the durable tier and every server's memory."""
         by_user: dict[str, list[str]] = {}
-        for user, location in retired:
-            if location:
-                by_user.setdefault(user, []).append(location)
+        for user, locations in retired:
+            if locations:
+                by_user.setdefault(user, []).extend(locations)
         for user, locations in by_user.items():
             if self.store is not None:
                 await asyncio.to_thread(self.store.delete, locations)

@@ -33,7 +33,8 @@ KV_EVICTED_BYTES = Counter("inferscale_worker_kv_evicted_bytes",
 KV_RESTORED_FACTS = Counter("inferscale_worker_kv_restored_facts",
                             "Facts whose evicted KV was encoded again because a request wanted it")
 KV_MIGRATED_FACTS = Counter("inferscale_worker_kv_migrated_facts",
-                            "Facts encoded again for this worker's model (their KV was another's)")
+                            "Other models' KV of facts that have this worker's model's, dropped "
+                            "(encode_migrate)")
 KV_HELD_BYTES = Gauge("inferscale_worker_kv_held_bytes",
                       "Bytes of KV blobs live facts hold on the durable tier (with a KV budget)")
 ENCODE_FAILURES = Counter("inferscale_worker_encode_failures", "Failed fact encodes")

@@ -139,7 +139,7 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
 
     async def backlog() -> int:
         async with engine.connect() as conn:
-            return await count_pending_facts(conn, settings.encode_max_attempts,
+            return await count_pending_facts(conn, store.fingerprint, settings.encode_max_attempts,
                                              settings.encode_max_crashes
                                              ) + await count_unextracted_turns(conn)
 

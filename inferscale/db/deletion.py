@@ -1,5 +1,5 @@
-"""Forgetting a user's rows (a tombstone stays) and telling which facts may still own blobs.
-All SQL is parameterized."""
+"""Forgetting a user's rows (a tombstone stays) and telling which (fact, model) pairs may still
+own blobs. All SQL is parameterized."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import (
     BigInteger,
+    BindParameter,
     any_,
     bindparam,
     delete,
@@ -16,34 +17,42 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from inferscale.db.tables import facts, forgotten_users, turns
+from inferscale.db.tables import fact_kv, facts, forgotten_users, turns
 from inferscale.db.turns import lock_users
 
 
 async def delete_user(conn: AsyncConnection, user_id: str) -> tuple[list[int], list[str]]:
     """Delete a user's turns and facts and leave a tombstone; returns the deleted fact ids and
-    the KV locations recorded for them (blobs to remove from every tier)."""
+    the KV locations recorded for them, for every model (blobs to remove from every tier)."""
     await lock_users(conn, [user_id], exclusive=True)
-    rows = (await conn.execute(
-        delete(facts).where(facts.c.user_id == user_id).returning(facts.c.id,
-                                                                  facts.c.kv_location))).all()
+    # Lock the facts first (as recording an encoding does), then read what KV they hold:
+    # an encode recorded meanwhile has committed by then, one recorded later finds them gone.
+    ids = list((await conn.execute(select(facts.c.id).where(facts.c.user_id == user_id)
+                                   .order_by(facts.c.id).with_for_update())).scalars())
+    locations = [location for location in (await conn.execute(
+        select(fact_kv.c.kv_location).where(fact_kv.c.fact_id == any_(_ids(ids))))).scalars()
+        if location]
+    await conn.execute(delete(facts).where(facts.c.user_id == user_id))
     await conn.execute(delete(turns).where(turns.c.user_id == user_id))
     now = func.clock_timestamp()
     await conn.execute(insert(forgotten_users).values(user_id=user_id, forgotten_at=now)
                        .on_conflict_do_update(index_elements=["user_id"],
                                               set_={"forgotten_at": now}))
-    return [row.id for row in rows], [row.kv_location for row in rows if row.kv_location]
+    return ids, locations
 
-async def fact_ids_owning_blobs(conn: AsyncConnection, fact_ids: Sequence[int]) -> set[int]:
-    """Which of these facts may own KV blobs: those that still have a row, except facts whose
-    KV was evicted and that no request wants back (what blobs they left are leftovers of an
-    eviction cut short)."""
-    if not fact_ids:
-        return set()
+def _ids(fact_ids: Sequence[int]) -> BindParameter:
     # One array parameter (= ANY): an IN list binds one parameter per id, and asyncpg takes
     # at most 32,767 of them, fewer than the blobs a bucket holds.
-    ids = bindparam("ids", list(fact_ids), type_=ARRAY(BigInteger))
-    evicted = (facts.c.kv_evicted_at.is_not(None) & facts.c.kv_location.is_(None)
-               & facts.c.kv_wanted_at.is_(None))
-    rows = await conn.execute(select(facts.c.id).where(facts.c.id == any_(ids), ~evicted))
-    return set(rows.scalars().all())
+    return bindparam("ids", list(fact_ids), type_=ARRAY(BigInteger))
+
+async def blobs_owned(conn: AsyncConnection, fact_ids: Sequence[int]) -> set[tuple[int, str]]:
+    """Which (fact id, model fingerprint's 16-char prefix) pairs among these facts' may own KV
+    blobs: the facts' rows for registered models, except rows whose KV was evicted and that no
+    request wants back (what blobs they left are leftovers of an eviction cut short)."""
+    if not fact_ids:
+        return set()
+    k = fact_kv.c
+    evicted = k.kv_evicted_at.is_not(None) & k.kv_location.is_(None) & k.kv_wanted_at.is_(None)
+    rows = await conn.execute(select(k.fact_id, func.left(k.model_fingerprint, 16))
+                              .where(k.fact_id == any_(_ids(fact_ids)), ~evicted))
+    return {(fact_id, model) for fact_id, model in rows.all()}

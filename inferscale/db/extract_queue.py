@@ -145,17 +145,24 @@ _RETIRE = text("""
     FROM unnest(CAST(:ids AS bigint[]), CAST(:bys AS bigint[]), CAST(:users AS text[]))
         AS r(id, by, user_id)
     WHERE f.id = r.id AND f.user_id = r.user_id AND f.deleted_at IS NULL
-    RETURNING f.user_id, f.kv_location
+    RETURNING f.id, f.user_id
+""")
+
+# Read after the retirement, whose row locks waited for any encode being recorded: that one
+# committed, and a later one finds the fact gone.
+_KV_OF = text("""
+    SELECT fact_id, array_agg(kv_location) AS locations FROM fact_kv
+    WHERE fact_id = ANY(CAST(:ids AS bigint[])) AND kv_location IS NOT NULL GROUP BY fact_id
 """)
 
 async def record_extraction(conn: AsyncConnection, claimed: Sequence[ClaimedTurn],
                             new_facts: Sequence[NewFact], retired: Sequence[Retirement]
-                            ) -> tuple[int, list[tuple[str, str | None]]]:
+                            ) -> tuple[int, list[tuple[str, list[str]]]]:
     """Store the facts extracted from claimed turns, retire the facts they replace (history
     kept: ``deleted_at``, ``superseded_by``) and mark the turns extracted, for the turns whose
     claim is still held (a turn forgotten or re-leased meanwhile contributes nothing).
-    Returns the number of facts stored and (user, KV location or None) per retired fact: the
-    blobs to remove from every tier."""
+    Returns the number of facts stored and (user, KV locations of every model) per retired
+    fact: the blobs to remove from every tier."""
     if not claimed:
         return 0, []
     await lock_users(conn, [t.user_id for t in claimed], exclusive=False)
@@ -180,10 +187,12 @@ async def record_extraction(conn: AsyncConnection, claimed: Sequence[ClaimedTurn
                if r.user_id in users and (r.by is None or r.by in ids)]  # else keep the old fact
     if not applied:
         return len(ids), []
-    rows = await conn.execute(_RETIRE, {
+    rows = (await conn.execute(_RETIRE, {
         "ids": [r.fact_id for r in applied], "users": [r.user_id for r in applied],
-        "bys": [ids[r.by] if r.by is not None else None for r in applied]})
-    return len(ids), [(r.user_id, r.kv_location) for r in rows]
+        "bys": [ids[r.by] if r.by is not None else None for r in applied]})).all()
+    kv: dict[int, list[str]] = {fact_id: locations for fact_id, locations in (
+        await conn.execute(_KV_OF, {"ids": [r.id for r in rows]})).all()}
+    return len(ids), [(r.user_id, list(kv.get(r.id, []))) for r in rows]
 
 async def count_unextracted_turns(conn: AsyncConnection) -> int:
     """Turns whose facts are not extracted yet."""

@@ -1,9 +1,9 @@
-"""The KV budget in Postgres: which facts lose their KV to keep the durable tier under its
-budgets, evicted facts a request wants encoded again, and when each user was last served. All
-SQL is parameterized.
+"""The KV budget in Postgres: which facts lose their KV (for one model; the budgets count every
+model's) to keep the durable tier under its budgets, evicted facts a request wants encoded
+again, and when each user was last served. All SQL is parameterized.
 
 Invariants:
-- a fact is evicted only while no encode holds it (its lease) and while its user was not served
+- a fact's KV is evicted only while no encode holds it (its lease) and while its user was not served
   within the grace period (so no plan in flight names it); its text and embedding stay, and it
   is served as text until encoded again;
 - one statement picks the victims and clears their KV columns, so no server plans them after
@@ -27,38 +27,45 @@ _LOCK = 0x1F5C_0B0D  # the advisory lock of the evictor
 
 _EVICT = """
     WITH held AS (
-        SELECT f.id, f.user_id, f.kv_location, coalesce(f.kv_bytes, 0) AS kv_bytes,
-               sum(coalesce(f.kv_bytes, 0)) OVER ({order} ROWS UNBOUNDED PRECEDING) AS running
-        FROM facts f LEFT JOIN memory_activity a ON a.user_id = f.user_id
-        WHERE f.kv_location IS NOT NULL AND f.deleted_at IS NULL
-          AND (f.claimed_until IS NULL OR f.claimed_until <= now())
+        SELECT k.fact_id, k.model_fingerprint, f.user_id, k.kv_location,
+               coalesce(k.kv_bytes, 0) AS kv_bytes,
+               sum(coalesce(k.kv_bytes, 0)) OVER ({order} ROWS UNBOUNDED PRECEDING) AS running
+        FROM fact_kv k JOIN facts f ON f.id = k.fact_id
+        LEFT JOIN memory_activity a ON a.user_id = f.user_id
+        WHERE k.kv_location IS NOT NULL AND f.deleted_at IS NULL
+          AND (k.claimed_until IS NULL OR k.claimed_until <= now())
           AND (a.served_at IS NULL OR a.served_at < now() - make_interval(secs => :grace_s))
     ), victims AS (
-        SELECT id, kv_location, kv_bytes FROM held WHERE {over} ORDER BY running LIMIT :batch
+        SELECT fact_id, model_fingerprint, user_id, kv_location, kv_bytes FROM held
+        WHERE {over} ORDER BY running LIMIT :batch
     )
-    UPDATE facts f SET kv_location = NULL, kv_checksum = NULL, kv_lead_checksum = NULL,
-                       kv_bytes = NULL, backfill_due = false, kv_evicted_at = now(),
-                       kv_wanted_at = NULL
+    UPDATE fact_kv k SET kv_location = NULL, kv_checksum = NULL, kv_lead_checksum = NULL,
+                         kv_bytes = NULL, backfill_due = false, kv_evicted_at = now(),
+                         kv_wanted_at = NULL
     FROM victims v
-    WHERE f.id = v.id AND f.kv_location = v.kv_location AND f.deleted_at IS NULL
-      AND (f.claimed_until IS NULL OR f.claimed_until <= now())
-    RETURNING f.id, f.user_id, v.kv_location AS location, v.kv_bytes AS nbytes
+    WHERE k.fact_id = v.fact_id AND k.model_fingerprint = v.model_fingerprint
+      AND k.kv_location = v.kv_location
+      AND (k.claimed_until IS NULL OR k.claimed_until <= now())
+    RETURNING k.fact_id AS id, v.user_id, v.kv_location AS location, v.kv_bytes AS nbytes
 """
-# Over the whole tier: the least recently served users' facts first (never served first), each
+# Over the whole tier: the least recently served users' KV first (never served first), each
 # user's oldest encodings first, until ``:excess`` bytes are freed.
 _EVICT_OVER_TIER = text(_EVICT.format(
-    order="ORDER BY a.served_at NULLS FIRST, f.user_id, f.encoded_at, f.id",
+    order="ORDER BY a.served_at NULLS FIRST, f.user_id, k.encoded_at, k.fact_id, "
+          "k.model_fingerprint",
     over="running - kv_bytes < :excess"))
-# Per user: each user keeps their most recently encoded facts (a fact encoded again because a
-# request wanted it is the newest) within ``:user_budget`` bytes.
+# Per user: each user keeps their most recently encoded KV (a fact encoded again because a
+# request wanted it is the newest) within ``:user_budget`` bytes, every model's counted.
 _EVICT_OVER_USER = text(_EVICT.format(
-    order="PARTITION BY f.user_id ORDER BY f.encoded_at DESC, f.id DESC",
+    order="PARTITION BY f.user_id ORDER BY k.encoded_at DESC, k.fact_id DESC, "
+          "k.model_fingerprint DESC",
     over="running > :user_budget"))
 
 
 @dataclass(frozen=True)
 class EvictedKV:
-    """A fact whose KV was evicted: its blob (and lead blob) are to be deleted."""
+    """A fact's KV (for one model) that was evicted: its blob (and lead blob) are to be
+    deleted."""
 
     id: int
     user_id: str
@@ -67,17 +74,18 @@ class EvictedKV:
 
 
 async def held_kv_bytes(conn: AsyncConnection) -> int:
-    """Bytes of the KV blobs live facts hold on the durable tier (as recorded when encoded)."""
+    """Bytes of the KV blobs live facts hold on the durable tier, for every model (as recorded
+    when encoded)."""
     return int((await conn.execute(text(
-        "SELECT coalesce(sum(kv_bytes), 0) FROM facts "
-        "WHERE kv_location IS NOT NULL AND deleted_at IS NULL"))).scalar_one())
+        "SELECT coalesce(sum(k.kv_bytes), 0) FROM fact_kv k JOIN facts f ON f.id = k.fact_id "
+        "WHERE k.kv_location IS NOT NULL AND f.deleted_at IS NULL"))).scalar_one())
 
 
 async def evict_over_budget(conn: AsyncConnection, budget_bytes: int | None,
                             user_budget_bytes: int | None, grace_s: float,
                             headroom: float = 0.0, batch: int = 1000) -> list[EvictedKV]:
-    """Evict, in this transaction, up to ``batch`` facts' KV per budget: first what each user
-    holds beyond ``user_budget_bytes``, then, while the tier holds more than ``budget_bytes``,
+    """Evict, in this transaction, up to ``batch`` facts' KV blobs per budget: first what each
+    user holds beyond ``user_budget_bytes``, then, while the tier holds more than ``budget_bytes``,
     enough to bring it the fraction ``headroom`` under (None: no such budget). Returns the
     evicted facts; none when another evictor holds the lock."""
     if not (await conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"),
@@ -98,19 +106,24 @@ async def evict_over_budget(conn: AsyncConnection, budget_bytes: int | None,
 
 
 _WANT = text("""
-    UPDATE facts SET kv_wanted_at = now()
-    WHERE user_id = :user AND deleted_at IS NULL
-      AND kv_evicted_at IS NOT NULL AND kv_location IS NULL AND kv_wanted_at IS NULL
+    UPDATE fact_kv k SET kv_wanted_at = now()
+    FROM facts f
+    WHERE f.id = k.fact_id AND f.user_id = :user AND f.deleted_at IS NULL
+      AND k.model_fingerprint = :fingerprint
+      AND k.kv_evicted_at IS NOT NULL AND k.kv_location IS NULL AND k.kv_wanted_at IS NULL
 """)
 
 
-async def note_served(conn: AsyncConnection, user_id: str, met_evicted: bool) -> int:
-    """Record that ``user_id``'s memory was served now; ``met_evicted``: a served fact had no
-    KV, so mark every fact of the user whose KV was evicted as wanted (the encode stage encodes
-    them before its backlog: the user is active again). Returns how many were marked."""
+async def note_served(conn: AsyncConnection, user_id: str, fingerprint: str,
+                      met_evicted: bool) -> int:
+    """Record that ``user_id``'s memory was served now (by model ``fingerprint``);
+    ``met_evicted``: a served fact had no KV, so mark every fact of the user whose KV for that
+    model was evicted as wanted (the encode stage encodes them before its backlog: the user is
+    active again). Returns how many were marked."""
     stamp = insert(memory_activity).values(user_id=user_id, served_at=func.now())
     await conn.execute(stamp.on_conflict_do_update(index_elements=["user_id"],
                                                    set_={"served_at": func.now()}))
     if not met_evicted:
         return 0
-    return int((await conn.execute(_WANT, {"user": user_id})).rowcount)
+    return int((await conn.execute(_WANT, {"user": user_id,
+                                           "fingerprint": fingerprint})).rowcount)

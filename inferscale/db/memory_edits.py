@@ -6,7 +6,8 @@ path never has to tell an edited fact's old KV from its new one: the old row is 
 new one is served as text until a worker encodes it. Retirement bumps the owner's memory
 version (migration 0008), which every server checks per request. Edits and deletes take the
 owner's lock shared, as the extraction stage does, and a redelivered turn never brings a fact
-back: its turn is stored once and extracted once.
+back: its turn is stored once and extracted once. Records show the KV of one model (the
+serving one's); retiring a fact returns its KV of every model.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Select, and_, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from inferscale.contracts.scope import ANY, Scope
 from inferscale.db.reads import in_scope
-from inferscale.db.tables import facts
+from inferscale.db.tables import fact_kv, facts
 from inferscale.db.turns import lock_users
 
 EDIT_EXTRACTOR = "edit"  # the extractor an edited fact is stored under
@@ -30,7 +31,8 @@ OPERATOR_EXTRACTOR = "operator"  # ... and a fact an operator added directly
 
 @dataclass(frozen=True)
 class FactRecord:
-    """One fact as the memory API shows it: text, provenance and KV status."""
+    """One fact as the memory API shows it: text, provenance and the status of its KV for one
+    model (``model_fingerprint``: None where the fact has no row for it)."""
 
     id: int
     user_id: str
@@ -69,34 +71,38 @@ class FactRecord:
                        "encoded_at": self.encoded_at.isoformat() if self.encoded_at else None}}
 
 
-_COLUMNS = (facts.c.id, facts.c.user_id, facts.c.conversation_id, facts.c.text,
-            facts.c.turn_ids, facts.c.extractor, facts.c.ts, facts.c.created_at,
-            facts.c.deleted_at, facts.c.superseded_by, facts.c.token_count,
-            facts.c.kv_location.is_not(None).label("kv_encoded"), facts.c.kv_location,
-            facts.c.kv_bytes,
-            facts.c.kv_evicted_at.is_not(None).label("kv_evicted"),
-            facts.c.model_fingerprint, facts.c.encoded_at, facts.c.agent_id, facts.c.run_id)
+def _records(fingerprint: str) -> Select:
+    """Facts with their KV for the model ``fingerprint``, as ``FactRecord`` fields."""
+    k = fact_kv.c
+    return select(facts.c.id, facts.c.user_id, facts.c.conversation_id, facts.c.text,
+                  facts.c.turn_ids, facts.c.extractor, facts.c.ts, facts.c.created_at,
+                  facts.c.deleted_at, facts.c.superseded_by, k.token_count,
+                  k.kv_location.is_not(None).label("kv_encoded"), k.kv_location, k.kv_bytes,
+                  k.kv_evicted_at.is_not(None).label("kv_evicted"), k.model_fingerprint,
+                  k.encoded_at, facts.c.agent_id, facts.c.run_id).select_from(
+        facts.outerjoin(fact_kv, and_(k.fact_id == facts.c.id,
+                                      k.model_fingerprint == fingerprint)))
 
 
 def _record(row: Any) -> FactRecord:
     return FactRecord(**{**row._mapping, "turn_ids": list(row.turn_ids)})
 
 
-async def list_facts(conn: AsyncConnection, user_id: str, after_id: int, limit: int,
-                     scope: Scope = ANY) -> list[FactRecord]:
+async def list_facts(conn: AsyncConnection, user_id: str, fingerprint: str, after_id: int,
+                     limit: int, scope: Scope = ANY) -> list[FactRecord]:
     """The owner's live facts in ``scope`` with ids above ``after_id``, in id order, at most
-    ``limit``."""
-    rows = await conn.execute(select(*_COLUMNS).where(
+    ``limit``, with their KV for model ``fingerprint``."""
+    rows = await conn.execute(_records(fingerprint).where(
         facts.c.user_id == user_id, facts.c.deleted_at.is_(None), facts.c.id > after_id,
         *in_scope(scope)).order_by(facts.c.id).limit(limit))
     return [_record(row) for row in rows]
 
 
-async def get_fact(conn: AsyncConnection, user_id: str, fact_id: int,
+async def get_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_id: int,
                    live_only: bool = True) -> FactRecord | None:
-    """One of the owner's facts (None: no such fact of this owner, or retired where
-    ``live_only``)."""
-    stmt = select(*_COLUMNS).where(facts.c.user_id == user_id, facts.c.id == fact_id)
+    """One of the owner's facts with its KV for model ``fingerprint`` (None: no such fact of
+    this owner, or retired where ``live_only``)."""
+    stmt = _records(fingerprint).where(facts.c.user_id == user_id, facts.c.id == fact_id)
     if live_only:
         stmt = stmt.where(facts.c.deleted_at.is_(None))
     row = (await conn.execute(stmt)).first()
@@ -117,37 +123,45 @@ _HISTORY = text("""
 """)
 
 
-async def fact_history(conn: AsyncConnection, user_id: str, fact_id: int
+async def fact_history(conn: AsyncConnection, user_id: str, fingerprint: str, fact_id: int
                        ) -> list[FactRecord] | None:
     """Every version of a fact, oldest first: the facts it replaced (recursively) and the ones
-    that replaced it; None where the owner has no such fact."""
-    if await get_fact(conn, user_id, fact_id, live_only=False) is None:
+    that replaced it, with their KV for model ``fingerprint``; None where the owner has no such
+    fact."""
+    if await get_fact(conn, user_id, fingerprint, fact_id, live_only=False) is None:
         return None
     ids = [row.id for row in await conn.execute(_HISTORY, {"id": fact_id, "user": user_id})]
-    rows = await conn.execute(select(*_COLUMNS).where(facts.c.user_id == user_id,
+    rows = await conn.execute(_records(fingerprint).where(facts.c.user_id == user_id,
                                                       facts.c.id.in_(ids)).order_by(facts.c.id))
     return [_record(row) for row in rows]
 
 
+async def _kv_locations(conn: AsyncConnection, fact_id: int) -> list[str]:
+    """Where a fact's KV is, for every model. Read after its retirement, whose row lock waited
+    for any encode being recorded: that one committed, and a later one finds the fact gone."""
+    return [location for location in (await conn.execute(select(fact_kv.c.kv_location).where(
+        fact_kv.c.fact_id == fact_id, fact_kv.c.kv_location.is_not(None)))).scalars()]
+
+
 async def delete_fact(conn: AsyncConnection, user_id: str, fact_id: int
-                      ) -> tuple[bool, str | None]:
-    """Retire one live fact of the owner: (whether it was live, its KV location: the blob to
-    remove from every tier)."""
+                      ) -> tuple[bool, list[str]]:
+    """Retire one live fact of the owner: (whether it was live, its KV locations for every
+    model: the blobs to remove from every tier)."""
     await lock_users(conn, [user_id], exclusive=False)
     row = (await conn.execute(
         facts.update().where(facts.c.id == fact_id, facts.c.user_id == user_id,
                              facts.c.deleted_at.is_(None))
-        .values(deleted_at=func.clock_timestamp())
-        .returning(facts.c.kv_location))).first()
-    return (row is not None, row.kv_location if row else None)
+        .values(deleted_at=func.clock_timestamp()).returning(facts.c.id))).first()
+    return (row is not None, await _kv_locations(conn, fact_id) if row else [])
 
 
-async def edit_fact(conn: AsyncConnection, user_id: str, fact_id: int, new_text: str,
-                    embedding: list[float]) -> tuple[FactRecord, str | None] | None:
+async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_id: int,
+                    new_text: str, embedding: list[float]
+                    ) -> tuple[FactRecord, list[str]] | None:
     """Replace one live fact of the owner by a new fact with ``new_text`` (same owner, scope,
     conversation, source turns and time; no KV yet) and retire the old one, superseded by it:
-    (the new fact, the old fact's KV location to remove everywhere); None where the owner has
-    no such live fact."""
+    (the new fact, with its KV for model ``fingerprint``; the old fact's KV locations for every
+    model, to remove everywhere); None where the owner has no such live fact."""
     await lock_users(conn, [user_id], exclusive=False)
     old = (await conn.execute(select(facts).where(
         facts.c.id == fact_id, facts.c.user_id == user_id, facts.c.deleted_at.is_(None))
@@ -164,15 +178,16 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fact_id: int, new_text:
         .returning(facts.c.id))).scalar_one()
     await conn.execute(facts.update().where(facts.c.id == fact_id).values(
         deleted_at=func.clock_timestamp(), superseded_by=new_id))
-    record = await get_fact(conn, user_id, new_id)
+    record = await get_fact(conn, user_id, fingerprint, new_id)
     assert record is not None  # inserted in this transaction
-    return record, old.kv_location
+    return record, await _kv_locations(conn, fact_id)
 
 
-async def add_fact(conn: AsyncConnection, user_id: str, conversation_id: str, fact_text: str,
-                   ts: datetime, embedding: list[float], scope: Scope = ANY) -> FactRecord:
-    """Store a fact given directly (an operator's, in ``scope``; no source turn, no KV
-    yet)."""
+async def add_fact(conn: AsyncConnection, user_id: str, fingerprint: str, conversation_id: str,
+                   fact_text: str, ts: datetime, embedding: list[float], scope: Scope = ANY
+                   ) -> FactRecord:
+    """Store a fact given directly (an operator's, in ``scope``; no source turn, no KV yet),
+    shown with its KV status for model ``fingerprint``."""
     await lock_users(conn, [user_id], exclusive=False)
     ordinal = (await conn.execute(select(func.coalesce(func.max(facts.c.ordinal), -1) + 1).where(
         facts.c.user_id == user_id, facts.c.conversation_id == conversation_id,
@@ -181,6 +196,6 @@ async def add_fact(conn: AsyncConnection, user_id: str, conversation_id: str, fa
         user_id=user_id, conversation_id=conversation_id, turn_ids=[], ordinal=ordinal,
         extractor=OPERATOR_EXTRACTOR, text=fact_text, ts=ts, embedding=embedding,
         agent_id=scope.agent_id, run_id=scope.run_id).returning(facts.c.id))).scalar_one()
-    record = await get_fact(conn, user_id, new_id)
+    record = await get_fact(conn, user_id, fingerprint, new_id)
     assert record is not None  # inserted in this transaction
     return record

@@ -1,6 +1,6 @@
 """The server's reads: a user's memory version, its facts' embeddings and changes since a fact id,
-the live rows of retrieved facts (and the exact pgvector top-k the index replaced). All SQL is
-parameterized."""
+the live rows of retrieved facts with their KV for the served model (and the exact pgvector
+top-k the index replaced). All SQL is parameterized."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ from dataclasses import dataclass
 
 from sqlalchemy import (
     ColumnElement,
+    and_,
     select,
     text,
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from inferscale.contracts.scope import ANY, Scope
-from inferscale.db.tables import facts, memory_versions
+from inferscale.db.tables import fact_kv, facts, memory_versions
 
 
 @dataclass(frozen=True)
 class RetrievedFact:
-    """One retrieval hit. ``kv_location`` is None while the fact is not encoded."""
+    """One retrieval hit, with its KV for the served model: ``kv_location`` is None while the
+    fact is not encoded for it."""
 
     id: int
     text: str
@@ -29,7 +31,6 @@ class RetrievedFact:
     kv_location: str | None
     kv_checksum: str | None
     kv_lead_checksum: str | None  # None: no lead blob (encoded without one)
-    model_fingerprint: str | None
 
 async def memory_version(conn: AsyncConnection, user_id: str) -> tuple[int, int]:
     """(the owner's memory version, about how many live facts they have); any change to which
@@ -39,14 +40,18 @@ async def memory_version(conn: AsyncConnection, user_id: str) -> tuple[int, int]
         .where(memory_versions.c.user_id == user_id))).first()
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
-async def top_k_facts(conn: AsyncConnection, user_id: str, query_embedding: Sequence[float],
-                      k: int, scope: Scope = ANY) -> list[RetrievedFact]:
+async def top_k_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
+                      query_embedding: Sequence[float], k: int, scope: Scope = ANY
+                      ) -> list[RetrievedFact]:
     """The owner's k live facts in ``scope`` nearest to the query, ranked by pgvector (exact:
-    the owner's rows through ix_facts_user): for owners too large for a server's in-process
-    index."""
+    the owner's rows through ix_facts_user), with their KV for model ``fingerprint``: for owners
+    too large for a server's in-process index."""
     distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
-    stmt = (select(facts.c.id, facts.c.text, distance, facts.c.token_ids, facts.c.kv_location,
-                   facts.c.kv_checksum, facts.c.kv_lead_checksum, facts.c.model_fingerprint)
+    kv = facts.outerjoin(fact_kv, and_(fact_kv.c.fact_id == facts.c.id,
+                                       fact_kv.c.model_fingerprint == fingerprint))
+    stmt = (select(facts.c.id, facts.c.text, distance, fact_kv.c.token_ids,
+                   fact_kv.c.kv_location, fact_kv.c.kv_checksum, fact_kv.c.kv_lead_checksum)
+            .select_from(kv)
             .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None),
                    *in_scope(scope))
             .order_by(distance, facts.c.id).limit(k))
@@ -97,19 +102,21 @@ def in_scope(scope: Scope) -> list[ColumnElement[bool]]:
     return [facts.c[name] == value for name, value in scope.items()]
 
 _LIVE_FACTS = text("""
-    SELECT coalesce(m.version, 0) AS version, f.id, f.text, f.token_ids, f.kv_location,
-           f.kv_checksum, f.kv_lead_checksum, f.model_fingerprint
+    SELECT coalesce(m.version, 0) AS version, f.id, f.text, k.token_ids, k.kv_location,
+           k.kv_checksum, k.kv_lead_checksum
     FROM (SELECT 1) one
     LEFT JOIN memory_versions m ON m.user_id = :user
     LEFT JOIN facts f ON f.id = ANY(CAST(:ids AS bigint[])) AND f.user_id = :user
         AND f.deleted_at IS NULL
+    LEFT JOIN fact_kv k ON k.fact_id = f.id AND k.model_fingerprint = :fingerprint
 """)
 
-async def live_facts(conn: AsyncConnection, user_id: str, fact_ids: Sequence[int]
-                     ) -> tuple[int, dict[int, dict]]:
+async def live_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
+                     fact_ids: Sequence[int]) -> tuple[int, dict[int, dict]]:
     """(the owner's memory version, their live facts among ``fact_ids`` as RetrievedFact fields
-    less distance), read in one snapshot."""
-    rows = (await conn.execute(_LIVE_FACTS, {"user": user_id, "ids": list(fact_ids)})).all()
+    less distance, with their KV for model ``fingerprint``), read in one snapshot."""
+    rows = (await conn.execute(_LIVE_FACTS, {"user": user_id, "ids": list(fact_ids),
+                                             "fingerprint": fingerprint})).all()
     found = {row.id: {k: v for k, v in row._mapping.items() if k != "version"}
              for row in rows if row.id is not None}
     return int(rows[0].version), found

@@ -8,6 +8,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     DateTime,
+    ForeignKey,
     Integer,
     MetaData,
     String,
@@ -56,12 +57,33 @@ facts = Table(
     Column("embedding", Vector(EMBEDDING_DIM), nullable=False),
     Column("agent_id", String(256)),  # its turn's scopes (migration 0011; NULL: none)
     Column("run_id", String(256)),
-    Column("token_ids", ARRAY(Integer)),
+    Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+    Column("deleted_at", DateTime(timezone=True)),
+    Column("superseded_by", BigInteger),
+)
+
+# The models encode workers encode for (migration 0012): each registers its own at start.
+kv_models = Table(
+    "kv_models",
+    metadata,
+    Column("fingerprint", String(64), primary_key=True),
+    Column("registered_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+)
+
+# A fact's KV for one registered model, and that model's encode queue state for it (migration
+# 0012): a trigger gives each new fact a row per registered model.
+fact_kv = Table(
+    "fact_kv",
+    metadata,
+    Column("model_fingerprint", String(64), ForeignKey("kv_models.fingerprint", ondelete="CASCADE"),
+           primary_key=True),
+    Column("fact_id", BigInteger, ForeignKey("facts.id", ondelete="CASCADE"), primary_key=True),
+    Column("enrolled", Boolean, nullable=False, server_default="false"),  # with its model
+    Column("token_ids", ARRAY(Integer)),  # the model's tokens of the fact's text
     Column("token_count", Integer),
     Column("window", Integer),
     Column("context_facts", Integer),  # how many facts its KV was encoded after
     Column("backfill_due", Boolean, nullable=False, server_default="false"),  # re-encode it
-    Column("model_fingerprint", String(64)),
     Column("kv_location", Text),
     Column("kv_bytes", BigInteger),
     Column("kv_checksum", String(64)),
@@ -73,10 +95,7 @@ facts = Table(
     Column("retry_at", DateTime(timezone=True)),
     Column("encode_claims", Integer, nullable=False, server_default="0"),
     Column("claimed_until", DateTime(timezone=True)),
-    Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
     Column("encoded_at", DateTime(timezone=True)),
-    Column("deleted_at", DateTime(timezone=True)),
-    Column("superseded_by", BigInteger),
 )
 
 # A forgotten user's tombstone: turns published (Kafka record time) up to forgotten_at are

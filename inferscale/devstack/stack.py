@@ -15,8 +15,13 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
+from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.db import migrate
-from inferscale.db.encode_queue import count_backfill_facts, count_pending_facts
+from inferscale.db.encode_queue import (
+    count_backfill_facts,
+    count_pending_facts,
+    register_model,
+)
 from inferscale.db.engine import resolve_database_url
 from inferscale.db.tables import turns
 from inferscale.devstack import infra
@@ -92,6 +97,9 @@ async def wait_encoded(engine: AsyncEngine, user: str, turns_expected: int,
     fact of theirs waits for KV or for backfill (any number of facts per turn); returns the
     seconds waited."""
     s = settings or Settings()
+    model = model_fingerprint(resolve_model_path(s))
+    async with engine.begin() as conn:  # the workers' model, whether they registered it yet
+        await register_model(conn, model)
     started = time.monotonic()
     with tqdm(total=turns_expected, desc="turns extracted", unit="turn",
               disable=not progress) as bar:
@@ -99,9 +107,9 @@ async def wait_encoded(engine: AsyncEngine, user: str, turns_expected: int,
             async with engine.connect() as conn:
                 extracted = (await conn.execute(select(func.count()).where(
                     turns.c.user_id == user, turns.c.extracted_at.is_not(None)))).scalar_one()
-                waiting = await count_pending_facts(conn, s.encode_max_attempts,
+                waiting = await count_pending_facts(conn, model, s.encode_max_attempts,
                                                     s.encode_max_crashes, user)
-                waiting += await count_backfill_facts(conn, s.encode_max_crashes, user)
+                waiting += await count_backfill_facts(conn, model, s.encode_max_crashes, user)
             bar.update(extracted - bar.n)
             bar.set_postfix(facts_waiting_for_kv=waiting)
             if extracted >= turns_expected and not waiting:

@@ -13,14 +13,13 @@ import asyncio
 from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale.db.encode_queue import record_encoded
+from inferscale.db.encode_queue import record_encoded, register_model
 from inferscale.db.tables import facts
 from inferscale.kv.encoder import EncodeItem, FactEncoder
 from inferscale.kv.store import KVStore
 
 ORACLE_WINDOW = -1  # the window column of oracle-encoded copies
-COPIED = ("turn_ids", "ordinal", "extractor", "text", "ts", "embedding", "token_ids",
-          "token_count")
+COPIED = ("turn_ids", "ordinal", "extractor", "text", "ts", "embedding")
 
 
 async def oracle_owner(engine: AsyncEngine, encoder: FactEncoder, store: KVStore,
@@ -29,6 +28,7 @@ async def oracle_owner(engine: AsyncEngine, encoder: FactEncoder, store: KVStore
     -> original id. Copies keep the originals' embeddings and id order, so the owner's top-k
     for the same question is the same facts in the same order."""
     async with engine.begin() as conn:
+        await register_model(conn, store.fingerprint)  # so the copies get rows for its KV
         rows = {r.id: r._mapping for r in (await conn.execute(
             select(facts.c.id, *(facts.c[c] for c in COPIED)).where(
                 facts.c.id.in_(fact_ids)))).all()}

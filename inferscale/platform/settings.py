@@ -128,10 +128,11 @@ class Settings(BaseSettings):
     # user has that many (again, if it was encoded before); served after 19 others, the first
     # facts drifted most (docs/results/fidelity.md).
     encode_backfill: bool = True
-    # Model migration: when nothing else waits, the encode stage encodes again the facts whose
-    # KV was made for another model (and removes that KV), so a fleet that moves to a new model
-    # injects its memory again instead of serving it as text for good. Turn it on for the
-    # workers of the model moved to only: two fleets with it on would take turns forever.
+    # Every encode stage registers its model, and then encodes every live fact for it too (the
+    # facts of before after fresh ones), keeping other models' KV for their servers: one memory
+    # served by several models. Model migration: when nothing else waits, the stage drops
+    # every other model's KV of the facts that have this model's, so a fleet that moved to this
+    # model stops holding the old one's. Turn it on for the workers of the model moved to only.
     encode_migrate: bool = False
     # Lead encoding: the worker also stores a fact's KV encoded after the preamble alone, and
     # the server injects it for the fact it serves first (right after the preamble, where that

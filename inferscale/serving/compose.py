@@ -64,7 +64,7 @@ class MemoryRuntime:
         self.fingerprint = model_fingerprint(model_path)
         self.embedder = load_embedder(settings)
         self.engine = create_engine(settings=settings)
-        self.index = OwnerIndex(self.engine, settings.retrieval_index_bytes)
+        self.index = OwnerIndex(self.engine, self.fingerprint, settings.retrieval_index_bytes)
         self.store = KVStore.from_settings(settings, self.fingerprint, host_bytes=0)
         self._served: TTLCache[str, bool] = TTLCache(maxsize=1 << 17, ttl=SERVED_STAMP_S)
         self._noting: set[asyncio.Task[None]] = set()
@@ -82,7 +82,8 @@ class MemoryRuntime:
 
             try:
                 async with self.engine.begin() as conn:
-                    if wanted := await note_served(conn, owner, met_unencoded):
+                    if wanted := await note_served(conn, owner, self.fingerprint,
+                                                    met_unencoded):
                         M.reencodes_wanted.inc(wanted)
             except Exception as exc:  # noqa: BLE001 - bookkeeping: the answer is unaffected
                 log.warning("cannot record that %s's memory was served: %s", owner, exc)
@@ -145,15 +146,12 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
     else:
         # Never one of the facts a tail recompute (explicit or auto's) prefills: every attempt
         # and mode of a request reads the same order.
-        facts = lead_first(facts[::-1], rt.fingerprint,
+        facts = lead_first(facts[::-1],
                            max(options.recompute, rt.settings.recompute_auto_tail))
     head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
-    injectable = [f for f in head if f.kv_location and f.token_ids
-                  and f.model_fingerprint == rt.fingerprint]
+    injectable = [f for f in head if f.kv_location and f.token_ids]
     as_text = [f for f in facts if f not in injectable]
-    for f in head:
-        if f not in injectable:
-            M.fallbacks.labels("other_model" if f.kv_location else "not_encoded").inc()
+    M.fallbacks.labels("not_encoded").inc(len(head) - len(injectable))
     composing = time.perf_counter()
     injected_segments = [list(f.token_ids) for f in injectable if f.token_ids]  # every one
     text_segments, prompt = await asyncio.get_running_loop().run_in_executor(
@@ -176,15 +174,15 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
                         sum(map(len, text_segments)), retrieval_ms)
 
 
-def lead_first(facts: list[RetrievedFact], fingerprint: str, tail: int) -> list[RetrievedFact]:
-    """Facts best last, with the least relevant one holding a lead blob for this model moved
+def lead_first(facts: list[RetrievedFact], tail: int) -> list[RetrievedFact]:
+    """Facts best last, with the least relevant one holding a lead blob (for the served model) moved
     first (never one of the best ``tail``): a request needs one lead blob, and most facts have
     none (``lead_share``). The same order in every memory mode, so injected and prefilled
     answers read the same prompt. Where none holds one, the first fact is injected from its
     own blob."""
     head = len(facts) - tail
     leader = next((i for i, f in enumerate(facts[:max(head, 0)])
-                   if f.kv_lead_checksum and f.model_fingerprint == fingerprint), None)
+                   if f.kv_lead_checksum), None)
     if leader is None:
         return facts
     return [facts[leader], *facts[:leader], *facts[leader + 1:]]

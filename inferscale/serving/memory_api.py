@@ -143,10 +143,11 @@ def build_router(service: MemoryService) -> APIRouter:
 
     Owner = Annotated[str, Depends(owner)]
 
-    async def in_transaction(work: Callable[[Any], Awaitable[Any]]) -> Any:
+    async def in_transaction(work: Callable[[Any, str], Awaitable[Any]]) -> Any:
+        """``work(conn, the served model's fingerprint)`` in one transaction."""
         rt = await service.runtime()
         async with rt.engine.begin() as conn:
-            return await work(conn)
+            return await work(conn, rt.fingerprint)
 
     async def shown(records: list[FactRecord]) -> list[dict[str, Any]]:
         """The records as JSON, each with the tiers holding its KV on this server."""
@@ -171,7 +172,7 @@ def build_router(service: MemoryService) -> APIRouter:
 
         scope = Scope(agent_id, run_id)
         records = await in_transaction(
-            lambda conn: read(conn, user_id, _after(cursor), limit, scope))
+            lambda conn, model: read(conn, user_id, model, _after(cursor), limit, scope))
         return {"facts": await shown(records),
                 "next_cursor": _cursor(records[-1].id) if len(records) == limit else None}
 
@@ -179,7 +180,7 @@ def build_router(service: MemoryService) -> APIRouter:
     async def get_fact(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
         from inferscale.db.memory_edits import get_fact as read
 
-        record = await in_transaction(lambda conn: read(conn, user_id, fact_id))
+        record = await in_transaction(lambda conn, model: read(conn, user_id, model, fact_id))
         if record is None:
             raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
         return (await shown([record]))[0]
@@ -189,7 +190,8 @@ def build_router(service: MemoryService) -> APIRouter:
         """The fact's versions, oldest first, each with the turns it came from."""
         from inferscale.db.memory_edits import fact_history
 
-        versions = await in_transaction(lambda conn: fact_history(conn, user_id, fact_id))
+        versions = await in_transaction(
+            lambda conn, model: fact_history(conn, user_id, model, fact_id))
         if versions is None:
             raise HTTPException(404, f"{user_id!r} has no fact {fact_id}")
         return {"versions": await shown(versions)}
@@ -204,8 +206,8 @@ def build_router(service: MemoryService) -> APIRouter:
 
         await owner("*", request)  # admin keys only
         embedding = await embed(body.text)
-        record = await in_transaction(lambda conn: store(
-            conn, user_id, body.conversation_id, body.text, datetime.now(UTC), embedding,
+        record = await in_transaction(lambda conn, model: store(
+            conn, user_id, model, body.conversation_id, body.text, datetime.now(UTC), embedding,
             body.scope))
         return dict(record.as_json())
 
@@ -217,22 +219,22 @@ def build_router(service: MemoryService) -> APIRouter:
 
         embedding = await embed(body.text)
         edited = await in_transaction(
-            lambda conn: edit_fact(conn, user_id, fact_id, body.text, embedding))
+            lambda conn, model: edit_fact(conn, user_id, model, fact_id, body.text, embedding))
         if edited is None:
             raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
-        record, location = edited
-        await service.drop_blobs(user_id, [location] if location else [])
+        record, locations = edited
+        await service.drop_blobs(user_id, locations)
         return {**record.as_json(), "replaces": fact_id}
 
     @router.delete(API + "/users/{user_id}/facts/{fact_id}", summary="Delete one fact")
     async def delete(user_id: Owner, fact_id: FactId) -> dict[str, Any]:
         from inferscale.db.memory_edits import delete_fact
 
-        deleted, location = await in_transaction(
-            lambda conn: delete_fact(conn, user_id, fact_id))
+        deleted, locations = await in_transaction(
+            lambda conn, _: delete_fact(conn, user_id, fact_id))
         if not deleted:
             raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
-        await service.drop_blobs(user_id, [location] if location else [])
+        await service.drop_blobs(user_id, locations)
         return {"id": fact_id, "deleted": True}
 
     @router.post(API + "/users/{user_id}/search", summary="Search as the server retrieves")

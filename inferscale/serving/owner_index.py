@@ -102,10 +102,12 @@ def _unit(rows: np.ndarray) -> np.ndarray:
 
 
 class OwnerIndex:
-    """Per-owner embedding matrices kept current against Postgres (one per server process)."""
+    """Per-owner embedding matrices kept current against Postgres (one per server process);
+    hits come with their KV for the model ``fingerprint``."""
 
-    def __init__(self, engine: AsyncEngine, max_bytes: int):
+    def __init__(self, engine: AsyncEngine, fingerprint: str, max_bytes: int):
         self.engine = engine
+        self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self._owners: OrderedDict[str, OwnerVectors] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -136,10 +138,11 @@ class OwnerIndex:
         for _ in range(CATCH_UPS):
             if owner is None:  # larger than the budget: Postgres ranks them
                 async with self._connect() as conn:
-                    return await top_k_facts(conn, user_id, query.tolist(), k, scope)
+                    return await top_k_facts(conn, user_id, self.fingerprint, query.tolist(), k,
+                                             scope)
             ids, distances = owner.nearest(query, k + SLACK, scope)
             async with self._connect() as conn:
-                version, rows = await live_facts(conn, user_id, ids.tolist())
+                version, rows = await live_facts(conn, user_id, self.fingerprint, ids.tolist())
             if version == owner.version and len(rows) == len(ids):
                 break
             if version == owner.version:  # rows gone, version kept: trust nothing held

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvrows import set_kv
 from pydantic import ValidationError
 from sqlalchemy import insert
 
@@ -254,10 +255,10 @@ def test_a_missing_bucket_fails_at_open(s3_endpoint, tmp_path):
 
 
 async def test_liveness_of_more_ids_than_a_query_takes_parameters(engine):
-    from inferscale.db.deletion import fact_ids_owning_blobs
+    from inferscale.db.deletion import blobs_owned
 
     async with engine.connect() as conn:
-        assert await fact_ids_owning_blobs(conn, range(10**15, 10**15 + 40_000)) == set()
+        assert await blobs_owned(conn, range(10**15, 10**15 + 40_000)) == set()
 
 
 def test_listing_every_model_and_fact(store):
@@ -430,8 +431,7 @@ async def test_forget_and_orphan_sweep_on_the_backend(kv_settings, engine):
     orphan = model_a.put(str(10**15 + ids[0]), *_kv(), [1] * 5, window=0)
     model_a.put("preamble", *_kv(), [1] * 5, window=0)
     async with engine.begin() as conn:
-        await conn.execute(facts.update().where(facts.c.id == ids[0]).values(
-            kv_location=recorded[0].location))
+        await set_kv(conn, FP_A, [ids[0]], kv_location=recorded[0].location)
     cli_store = KVStore.from_settings(kv_settings, fingerprint="", host_bytes=0)  # as cli does
     forgotten = await forget_user(engine, cli_store, user)
     assert forgotten.facts == 2 and forgotten.blobs == 3

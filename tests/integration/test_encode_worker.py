@@ -10,7 +10,8 @@ from itertools import pairwise
 
 import pytest
 import torch
-from sqlalchemy import select
+from kvrows import KV_COLUMNS, with_kv
+from sqlalchemy import select, text
 
 from helpers import extract_all, sample_turns, turn
 from inferscale.contracts.fingerprint import model_fingerprint
@@ -24,8 +25,9 @@ from inferscale.db.encode_queue import (
     mark_backfill_due,
     quarantine_crashed_facts,
     record_encode_failure,
+    register_model,
 )
-from inferscale.db.tables import facts
+from inferscale.db.tables import fact_kv, facts
 from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import worker_process
 from inferscale.kv.durable import LocalDir
@@ -44,6 +46,22 @@ def tiny_encoder(tiny_models):
     return FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
 
 
+@pytest.fixture(autouse=True)
+async def one_test_one_memory(engine):
+    """Each test starts from no facts and no registered models: a worker registering a model
+    enrols every live fact for it, so one test's facts would become the next one's work."""
+    yield
+    async with engine.begin() as conn:
+        await conn.execute(text("DELETE FROM facts"))
+        await conn.execute(text("DELETE FROM kv_models"))
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models) -> str:
+    """The tiny Llama's fingerprint: the model most tests encode for."""
+    return model_fingerprint(tiny_models["llama"])
+
+
 async def _ingest(settings, engine, embedder, turns):
     await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
     await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
@@ -56,26 +74,32 @@ def _cosine_distance(a, b) -> float:
     return 1.0 - float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
-async def _user_facts(engine, user):
+async def _user_facts(engine, user, model: str | None = None):
+    """The user's facts, oldest first, each with its KV for ``model`` (None: for each model
+    registered, one row per model)."""
+    query = with_kv(model) if model is not None else select(facts, *KV_COLUMNS).select_from(
+        facts.outerjoin(fact_kv, fact_kv.c.fact_id == facts.c.id))
     async with engine.connect() as conn:
-        return (await conn.execute(select(facts).where(facts.c.user_id == user)
-                                   .order_by(facts.c.ts))).all()
+        return (await conn.execute(query.where(facts.c.user_id == user).order_by(
+            facts.c.ts, fact_kv.c.model_fingerprint))).all()
 
 
 async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, tiny_encoder,
-                                                   tiny_models, tmp_path):
+                                                   llama, tmp_path):
     settings = settings.model_copy(update={"window": 3, "encode_batch_size": 6})
     turns = sample_turns()
     user = turns[0].user_id
     await _ingest(settings, engine, embedder, turns)
+    async with engine.begin() as conn:
+        await register_model(conn, llama)
     async with engine.begin() as conn:  # context = the 3 preceding facts, oldest first
-        claimed = {f.id: f for f in await claim_pending_facts(conn, 1000, 3, 3, 60, 3)}
+        claimed = {f.id: f for f in await claim_pending_facts(conn, llama, 1000, 3, 3, 60, 3)}
         rows = await _user_facts(engine, user)
         fifth = claimed[rows[4].id]
         assert fifth.context == [r.text for r in rows[1:4]]
         await conn.rollback()
     async with engine.begin() as conn:  # neighbours: the 3 most similar earlier, nearest last
-        claimed = {f.id: f for f in await claim_pending_facts(conn, 1000, 3, 3, 60, 3,
+        claimed = {f.id: f for f in await claim_pending_facts(conn, llama, 1000, 3, 3, 60, 3,
                                                                "neighbours")}
         assert claimed[rows[0].id].context == []
         last = rows[-1]
@@ -87,8 +111,7 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
         others = [d for text, d in distance.items() if text not in context]
         assert min(others) >= max(chosen) - 1e-5  # no earlier fact nearer than those chosen
         await conn.rollback()
-    store = KVStore(LocalDir(tmp_path / "kv"), model_fingerprint(tiny_models["llama"]),
-                    host_bytes=1 << 30)
+    store = KVStore(LocalDir(tmp_path / "kv"), llama, host_bytes=1 << 30)
     stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     assert stats.encoded >= len(turns) and stats.failed == 0
     rows = await _user_facts(engine, user)
@@ -178,7 +201,9 @@ async def test_a_lead_blob_left_by_a_dead_claimer_goes_when_its_fact_needs_none(
     await _ingest(settings, engine, embedder, turns)
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
     async with engine.begin() as conn:  # a worker claims the facts...
-        claimed = await claim_pending_facts(conn, 10, 2, 3, settings.encode_lease_s, 3)
+        await register_model(conn, store.fingerprint)
+        claimed = await claim_pending_facts(conn, store.fingerprint, 10, 2, 3,
+                                            settings.encode_lease_s, 3)
     last = max(claimed, key=lambda fact: fact.id)
     stray = torch.zeros(2, 3, 1, 8, dtype=torch.bfloat16)  # ...writes a lead blob and dies
     store.put(lead_name(last.id), stray, stray.clone(), [1, 2, 3], window=0)
@@ -325,8 +350,8 @@ async def test_early_facts_are_encoded_again_once_their_user_has_3w_facts(
         store.get(row.kv_location, row.kv_checksum)
     await _ingest(settings, engine, embedder, turns[3:])
     async with engine.begin() as conn:  # 6 = 3w live facts: the two early ones are due
-        assert await mark_backfill_due(conn, [user], 2) == 2
-        assert await count_backfill_facts(conn, 3, user) == 2
+        assert await mark_backfill_due(conn, store.fingerprint, [user], 2) == 2
+        assert await count_backfill_facts(conn, store.fingerprint, 3, user) == 2
         await conn.rollback()
     second = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     assert (second.encoded, second.reencoded, second.failed) == (3 + 2, 2, 0)
@@ -369,9 +394,10 @@ async def test_a_failed_reencoding_keeps_the_facts_kv_and_is_not_retried(
     assert row.encode_error == "encode: RuntimeError: forward pass failed" and row.backfill_due
     assert store.get(row.kv_location, row.kv_checksum).token_ids == row.token_ids
     async with engine.connect() as conn:
-        assert await count_backfill_facts(conn, 3, user) == 0
+        assert await count_backfill_facts(conn, store.fingerprint, 3, user) == 0
     async with engine.begin() as conn:
-        assert row.id not in {f.id for f in await claim_backfill_facts(conn, 100, 1, 60, 3)}
+        assert row.id not in {f.id for f in await claim_backfill_facts(
+            conn, store.fingerprint, 100, 1, 60, 3)}
         await conn.rollback()
 
 
@@ -423,7 +449,8 @@ async def test_claims_of_dead_workers_are_counted_and_the_fact_quarantined(
 
     async def claim() -> list[PendingFact]:
         async with engine.begin() as conn:
-            return await claim_pending_facts(conn, 10, 0, 3, settings.encode_lease_s, 2)
+            return await claim_pending_facts(conn, store.fingerprint, 10, 0, 3,
+                                             settings.encode_lease_s, 2)
 
     dead_claim = await claim()  # a worker claims the batch, then dies while encoding it
     assert sorted(f.id for f in dead_claim) == sorted(ids)
@@ -432,17 +459,21 @@ async def test_claims_of_dead_workers_are_counted_and_the_fact_quarantined(
     suspect = await claim()  # the lease ran out: suspects come back one at a time
     assert [f.id for f in suspect] == [min(ids)]
     async with engine.begin() as conn:  # the first claimer's late outcome is not recorded
-        await record_encode_failure(conn, dead_claim[0], "encode: late", 1.0, 1.0)
+        await record_encode_failure(conn, store.fingerprint, dead_claim[0], "encode: late", 1.0,
+                                    1.0)
     assert {r.id: r.encode_attempts for r in await _user_facts(engine, turns[0].user_id)}[
         min(ids)] == 0
     await asyncio.sleep(0.6)  # ...and this claimer died too: two deaths
     async with engine.begin() as conn:
         # Two deaths exhaust a crash budget of 2 (not one of 9): no longer pending...
-        assert await count_pending_facts(conn, 3, 2) == await count_pending_facts(conn, 3, 9) - 1
-        assert await quarantine_crashed_facts(conn, 2) == [min(ids)]
-        assert await quarantine_crashed_facts(conn, 2) == []
+        model = store.fingerprint
+        assert await count_pending_facts(conn, model, 3, 2) == await count_pending_facts(
+            conn, model, 3, 9) - 1
+        assert await quarantine_crashed_facts(conn, model, 2) == [min(ids)]
+        assert await quarantine_crashed_facts(conn, model, 2) == []
         # ...and once quarantined, not even with a larger budget.
-        assert await count_pending_facts(conn, 3, 9) == await count_pending_facts(conn, 3, 2)
+        assert await count_pending_facts(conn, model, 3, 9) == await count_pending_facts(
+            conn, model, 3, 2)
     stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     assert (stats.encoded, stats.failed) == (len(ids) - 1, 0)
     rows = {row.id: row for row in await _user_facts(engine, turns[0].user_id)}
@@ -588,7 +619,8 @@ async def test_a_fact_edited_while_encoding_leaves_no_old_kv_and_the_edit_stays(
     def edit() -> None:
         async def go() -> None:
             async with engine.begin() as conn:
-                result = await edit_fact(conn, user, first, new_text, vector)
+                result = await edit_fact(conn, user, store.fingerprint, first, new_text,
+                                         vector)
                 assert result is not None
                 edited.append(result[0].id)
 
@@ -604,7 +636,7 @@ async def test_a_fact_edited_while_encoding_leaves_no_old_kv_and_the_edit_stays(
     assert not (store.durable.root / store.location_for(str(first))).exists()  # removed
     assert rows[edited[0]].kv_location
     assert (store.durable.root / rows[edited[0]].kv_location).exists()
-    live_before = [(r.id, r.text) for r in (await _live_records(engine, user))]
+    live_before = [(r.id, r.text) for r in (await _live_records(engine, user, store))]
 
     await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
     replay = settings.model_copy(update={"consumer_group": f"replay-{uuid.uuid4().hex[:6]}"})
@@ -613,50 +645,61 @@ async def test_a_fact_edited_while_encoding_leaves_no_old_kv_and_the_edit_stays(
             drain=True)
     await extract_all(settings, engine, embedder)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
-    assert [(r.id, r.text) for r in await _live_records(engine, user)] == live_before
+    assert [(r.id, r.text) for r in await _live_records(engine, user, store)] == live_before
     assert [text for _, text in live_before] == [rows[third].text, new_text]
 
 
-async def _live_records(engine, user):
+async def _live_records(engine, user, store):
     from inferscale.db.memory_edits import list_facts
 
     async with engine.connect() as conn:
-        return await list_facts(conn, user, 0, 100)
+        return await list_facts(conn, user, store.fingerprint, 0, 100)
 
 
-async def test_a_fleet_moving_to_another_model_encodes_its_memory_again(
+async def test_one_memory_gets_kv_for_two_models_and_a_fleet_moving_drops_the_old(
         settings, engine, embedder, tiny_encoder, tiny_models, tmp_path):
-    """Facts encoded for one model are served as text by another; with ``encode_migrate`` the
-    new model's workers encode them again, when nothing else waits, and remove the old KV.
-    Without it they leave them be."""
+    """A worker of a second model enrols every live fact and encodes it for its model too: each
+    model's server reads its own KV of the same facts, and the first model's stays. With
+    ``encode_migrate`` the second model's workers then drop the first model's KV (rows and
+    blobs) of every fact that has theirs."""
+    from inferscale.db.reads import live_facts
+
     user = f"move-{uuid.uuid4().hex[:6]}"
     turns = sample_turns(user)[:5]
     durable = LocalDir(tmp_path / "kv")
     old = KVStore(durable, model_fingerprint(tiny_models["llama"]), host_bytes=1 << 30)
     await _ingest(settings, engine, embedder, turns)
     await EncodeWorker(settings, engine, tiny_encoder, old).run(drain=True)
-    before = await _user_facts(engine, user)
-    assert {r.model_fingerprint for r in before} == {old.fingerprint}
+    before = await _user_facts(engine, user, old.fingerprint)
+    assert all(r.kv_location and r.model_fingerprint == old.fingerprint for r in before)
     new_encoder = FactEncoder(tiny_models["qwen2"], device="cpu", dtype=torch.float32)
     new = KVStore(durable, model_fingerprint(tiny_models["qwen2"]), host_bytes=1 << 30)
-    staying = await EncodeWorker(settings, engine, new_encoder, new).run(drain=True)
-    assert staying.encoded == 0
+    both = await EncodeWorker(settings, engine, new_encoder, new).run(drain=True)
+    assert both.encoded == len(before) and both.migrated == 0 and both.failed == 0
+    ids = [r.id for r in before]
+    async with engine.connect() as conn:
+        served = {model: (await live_facts(conn, user, model, ids))[1]
+                  for model in (old.fingerprint, new.fingerprint)}
+    assert {i: served[old.fingerprint][i]["kv_checksum"] for i in ids} == {
+        r.id: r.kv_checksum for r in before}  # the first model's KV stays
+    for model, encoder in ((old.fingerprint, tiny_encoder), (new.fingerprint, new_encoder)):
+        fresh = KVStore(durable, model, host_bytes=0)
+        for i in ids:
+            row = served[model][i]
+            assert row["kv_location"].startswith(model[:16])
+            blob = fresh.get(row["kv_location"], row["kv_checksum"])  # checksum + fingerprint
+            assert blob.token_ids == row["token_ids"] == encoder.layout.fact_segment(
+                row["text"])
     moving = settings.model_copy(update={"encode_migrate": True})
     moved = await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)
-    assert moved.migrated >= len(before) and moved.failed == 0  # (and earlier tests' facts)
-    after = await _user_facts(engine, user)
-    assert [r.id for r in after] == [r.id for r in before]
-    fresh = KVStore(durable, new.fingerprint, host_bytes=1 << 30)
-    for row in after:
-        assert row.model_fingerprint == new.fingerprint and row.kv_location.startswith(
-            new.fingerprint[:16])
-        blob = fresh.get(row.kv_location, row.kv_checksum)  # verifies checksum + fingerprint
-        expected = new_encoder.encode([new_encoder.fact_item(row.text, [])])[0]
-        assert blob.shape == expected.k.shape  # the new model's KV
-        if row.kv_lead_checksum:
-            assert fresh.load(lead_name(row.id), row.kv_lead_checksum).window == 0
+    assert (moved.encoded, moved.migrated, moved.failed) == (0, len(before), 0)
+    after = await _user_facts(engine, user)  # every model's rows
+    assert [r.id for r in after] == ids and {r.model_fingerprint for r in after} == {
+        new.fingerprint}
+    assert all(r.kv_checksum == served[new.fingerprint][r.id]["kv_checksum"] for r in after)
     # The old model's blobs (and lead blobs) are gone; nothing is left to migrate.
     assert not any(durable.exists(r.kv_location) for r in before)
     assert not [p for p in (tmp_path / "kv" / old.fingerprint[:16]).rglob("*.safetensors")
-                if p.name.split(".")[0] in {str(r.id) for r in before}]
-    assert (await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)).encoded == 0
+                if p.name.split(".")[0] in {str(i) for i in ids}]
+    again = await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)
+    assert (again.encoded, again.migrated) == (0, 0)

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pytest
+from kvrows import set_kv
 from sqlalchemy import select
 
 from helpers import extract_all, turn
@@ -23,6 +24,7 @@ from inferscale.serving.owner_index import OwnerIndex
 from workers.ingest import IngestWorker
 
 TS = datetime(2025, 5, 3, 9, 0, tzinfo=UTC)
+MODEL = "f" * 64  # the model the stage tests' facts are encoded for (as if)
 
 
 # --- extractors (pure) -----------------------------------------------------------------------
@@ -259,7 +261,7 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
     from inferscale.kv.store import KVStore
 
     user = f"update-{uuid.uuid4().hex[:6]}"
-    store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=1 << 20)
+    store = KVStore(LocalDir(tmp_path / "kv"), MODEL, host_bytes=1 << 20)
     invalidated: list[tuple[str, list[str]]] = []
 
     async def invalidate(owner, locations):
@@ -280,8 +282,7 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
     paris = live[0][0]
     location = store.put(str(paris), *_kv(), window=0).location  # as if encoded
     async with engine.begin() as conn:
-        await conn.execute(facts.update().where(facts.c.id == paris).values(
-            kv_location=location))
+        await set_kv(conn, store.fingerprint, [paris], kv_location=location)
     await say("t3", "I moved to Lisbon last week.", 3)
     await say("t4", "We moved again, to Porto.", 4)
     await say("t5", "Sadly my dog Rex died.", 5)
@@ -291,7 +292,7 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
         history = {r.text: (r.deleted_at is not None, r.superseded_by) for r in await conn.execute(
             select(facts.c.text, facts.c.deleted_at, facts.c.superseded_by).where(
                 facts.c.user_id == user))}
-    hits = await OwnerIndex(engine, 2**20).search(
+    hits = await OwnerIndex(engine, store.fingerprint, 2**20).search(
         user, embedder.encode(["Where does Ana live?"])[0], 5)
     ids = {text: fact_id for fact_id, text in await _all(engine, user)}
     lisbon, porto = ids["3 May 2025 Ana: I moved to Lisbon last week."], ids[
@@ -392,9 +393,9 @@ async def test_bench_progress_counts_any_number_of_facts_per_turn(settings, engi
     await extract_all(settings, engine, embedder, extractor=TwoOrNone())
     async with engine.begin() as conn:
         first = await conn.scalar(select(facts.c.id).where(facts.c.user_id == user).limit(1))
-        await conn.execute(facts.update().where(facts.c.id == first).values(
-            encoded_at=TS, kv_location="x"))
-        rows = {r.turn_id: r for r in await conn.execute(TURN_PROGRESS, {"users": f"{prefix}-%"})}
+        await set_kv(conn, MODEL, [first], encoded_at=TS, kv_location="x")
+        rows = {r.turn_id: r for r in await conn.execute(
+            TURN_PROGRESS, {"users": f"{prefix}-%", "model": MODEL})}
     assert rows["t1"].facts == 2 and rows["t1"].encoded_at is None  # one of two encoded
     assert rows["t2"].facts == 0 and rows["t2"].encoded_at == rows["t2"].created_at is not None
 

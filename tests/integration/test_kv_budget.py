@@ -8,7 +8,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-from sqlalchemy import func, select, text
+from kvrows import with_kv
+from sqlalchemy import func, text
 
 from helpers import ingest_and_encode, sample_turns
 from inferscale.db.encode_queue import claim_pending_facts, count_pending_facts
@@ -22,6 +23,7 @@ from inferscale.platform import failpoints
 from workers.encode import EncodeWorker
 
 FACTS_EACH = 4
+MODEL = "e" * 64  # the tests' stores' model
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,9 @@ async def _users(settings, engine, embedder, encoder, store, *names):
 
 
 async def _rows(engine, user):
+    """The user's facts with their KV for the tests' model."""
     async with engine.connect() as conn:
-        return (await conn.execute(select(facts).where(facts.c.user_id == user)
+        return (await conn.execute(with_kv(MODEL).where(facts.c.user_id == user)
                                    .order_by(facts.c.id))).all()
 
 
@@ -68,7 +71,7 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
         settings, engine, embedder, tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"window": 2, "kv_evict_grace_s": 600.0,
                                            "kv_budget_headroom": 0.0})
-    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
+    store = KVStore(LocalDir(tmp_path / "kv"), MODEL, host_bytes=1 << 30)
     never, old, recent, live = await _users(settings, engine, embedder, tiny_encoder, store,
                                             "never", "old", "recent", "live")
     await _spare_others(engine, [never, old, recent, live])
@@ -88,7 +91,7 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
     after = {u: await _rows(engine, u) for u in rows}
     async with engine.connect() as conn:
         assert await held_kv_bytes(conn) <= budget
-        assert await count_pending_facts(conn, 3, 3, never) == 0  # not re-encoded unasked
+        assert await count_pending_facts(conn, MODEL, 3, 3, never) == 0  # not re-encoded unasked
     assert all(r.kv_location is None and r.kv_evicted_at for r in after[never])
     assert any(r.kv_location is None for r in after[old])
     assert all(r.kv_location for r in after[recent] + after[live])
@@ -100,12 +103,12 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
     # wanted, and claimed before facts that were never encoded.
     backlog, = await _users(settings, engine, embedder, None, store, "backlog")
     async with engine.begin() as conn:
-        assert await note_served(conn, never, False) == 0  # only stamped
-        assert await note_served(conn, never, True) == FACTS_EACH  # all the user's evicted
-        assert await note_served(conn, never, True) == 0  # once
+        assert await note_served(conn, never, MODEL, False) == 0  # only stamped
+        assert await note_served(conn, never, MODEL, True) == FACTS_EACH  # all the user's evicted
+        assert await note_served(conn, never, MODEL, True) == 0  # once
     async with engine.begin() as conn:
-        assert await count_pending_facts(conn, 3, 3, never) == FACTS_EACH
-        claimed = await claim_pending_facts(conn, FACTS_EACH, 2, 3, 60, 3, "neighbours")
+        assert await count_pending_facts(conn, MODEL, 3, 3, never) == FACTS_EACH
+        claimed = await claim_pending_facts(conn, MODEL, FACTS_EACH, 2, 3, 60, 3, "neighbours")
         assert {f.user_id for f in claimed} == {never}
         await conn.rollback()
     stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
@@ -123,7 +126,7 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
 async def test_each_user_keeps_their_newest_encodings_within_their_budget(
         settings, engine, embedder, tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"window": 2})
-    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
+    store = KVStore(LocalDir(tmp_path / "kv"), MODEL, host_bytes=0)
     big, = await _users(settings, engine, embedder, tiny_encoder, store, "big")
     await _spare_others(engine, [big])
     rows = await _rows(engine, big)
@@ -140,7 +143,7 @@ async def test_each_user_keeps_their_newest_encodings_within_their_budget(
 async def test_an_eviction_cut_short_before_its_blobs_loses_nothing(
         settings, engine, embedder, tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"window": 2, "kv_evict_grace_s": 600.0})
-    store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
+    store = KVStore(LocalDir(tmp_path / "kv"), MODEL, host_bytes=0)
     user, = await _users(settings, engine, embedder, tiny_encoder, store, "cut")
     await _spare_others(engine, [user])
     rows = await _rows(engine, user)

@@ -3,6 +3,7 @@
 import uuid
 
 import torch
+from kvrows import with_kv
 from sqlalchemy import select
 
 from helpers import ingest_and_encode, turn
@@ -32,7 +33,7 @@ async def test_oracle_copies_carry_kv_of_their_serving_prefix(settings, engine, 
     originals = await oracle_owner(engine, encoder, store, prompt_order, owner)
 
     async with engine.connect() as conn:
-        copies = (await conn.execute(select(facts).where(facts.c.user_id == owner)
+        copies = (await conn.execute(with_kv(store.fingerprint).where(facts.c.user_id == owner)
                                      .order_by(facts.c.id))).all()
         source = {r.id: r for r in (await conn.execute(
             select(facts).where(facts.c.id.in_(ids)))).all()}

@@ -9,8 +9,9 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pytest
+from kvrows import set_kv
 from pydantic import ValidationError
-from sqlalchemy import delete, text, update
+from sqlalchemy import delete, select, text, update
 
 from inferscale.contracts.scope import Scope
 from inferscale.db.extract_queue import nearest_live_facts
@@ -21,6 +22,7 @@ from inferscale.platform.settings import Settings
 from inferscale.serving.owner_index import OwnerIndex, OwnerVectors, _capacity, decode_vectors
 from inferscale.serving.retrieval import retrieve
 
+MODEL = "c" * 64  # the served model the indexes read KV for
 FACTS = {
     "alice": ["Alice's cat is named Tiger.", "Alice works as a pilot for a cargo airline.",
               "Alice is allergic to shellfish.", "Alice plays the violin on weekends."],
@@ -51,7 +53,7 @@ async def _version(engine, user: str) -> int:
 
 @pytest.fixture
 def index(engine):
-    return OwnerIndex(engine, max_bytes=64 * 1024**2)
+    return OwnerIndex(engine, MODEL, max_bytes=64 * 1024**2)
 
 
 async def test_right_fact_first_and_only_own_facts(engine, embedder, index):
@@ -129,8 +131,9 @@ async def test_index_follows_every_change_to_the_owners_memory(engine, index):
     assert len(before) == 5
     version = await _version(engine, owner)
     async with engine.begin() as conn:
-        await conn.execute(update(facts).where(facts.c.user_id == owner).values(
-            kv_location="kv/x", kv_checksum="0" * 64, token_ids=[1, 2]))
+        ids = (await conn.execute(select(facts.c.id).where(facts.c.user_id == owner))).scalars()
+        await set_kv(conn, MODEL, ids, kv_location="kv/x", kv_checksum="0" * 64,
+                     token_ids=[1, 2])
     assert await _version(engine, owner) == version
     assert [h.kv_location for h in await index.search(owner, query, 5)] == ["kv/x"] * 5
     # a new fact nearest to the query leads the next answer
@@ -236,7 +239,7 @@ async def test_least_recently_used_owners_leave_within_the_budget(engine):
         await _insert(engine, _rows(owner, _unit(rng.standard_normal((100, 384)).astype(
             np.float32))))
     per_owner = 100 * 8 + _capacity(100) * 384 * 4
-    index = OwnerIndex(engine, max_bytes=2 * per_owner + per_owner // 2)  # room for two
+    index = OwnerIndex(engine, MODEL, max_bytes=2 * per_owner + per_owner // 2)  # room for two
     query = _unit(rng.standard_normal(384).astype(np.float32))
     for owner in owners:
         assert len(await index.search(owner, query, 5)) == 5
@@ -251,7 +254,7 @@ async def test_an_owner_larger_than_the_budget_is_ranked_by_postgres(engine):
     owner = f"owner-{uuid.uuid4().hex[:6]}"
     vectors = _unit(rng.standard_normal((50, 384)).astype(np.float32))
     await _insert(engine, _rows(owner, vectors))
-    index = OwnerIndex(engine, max_bytes=49 * (384 * 4 + 8))
+    index = OwnerIndex(engine, MODEL, max_bytes=49 * (384 * 4 + 8))
     query = _unit(rng.standard_normal(384).astype(np.float32))
     hits = await index.search(owner, query, 5)
     assert [h.text for h in hits] == [f"{owner} {i}" for i in np.argsort(-(vectors @ query))[:5]]
@@ -289,7 +292,7 @@ async def test_a_scoped_search_ranks_only_that_agents_or_runs_facts(engine, inde
     expected_rows = expected_rows + rows(40, 60)
     await _insert(engine, rows(40, 60))  # appended to the held vectors
     await check(lambda scope: index.search(owner, query, 7, scope))
-    over_budget = OwnerIndex(engine, max_bytes=10 * (384 * 4 + 8))
+    over_budget = OwnerIndex(engine, MODEL, max_bytes=10 * (384 * 4 + 8))
     await check(lambda scope: over_budget.search(owner, query, 7, scope))
     assert owner not in over_budget
 

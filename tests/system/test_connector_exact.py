@@ -14,13 +14,14 @@ import uuid
 
 import pytest
 import torch
+from kvrows import set_kv, with_kv
 from sqlalchemy import select
 from sqlalchemy import text as sa_text
 
 from conftest import running_server
 from helpers import ingest_and_encode, max_logprob_diff, tokens_and_logprobs, turn
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.db.tables import facts
+from inferscale.db.tables import fact_kv, facts
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
 
@@ -92,8 +93,7 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     blob = store.load(str(fact_id))
     stored = store.put(str(fact_id), blob.k, blob.v * 3.0, blob.token_ids, window=0)
     async with engine.begin() as conn:
-        await conn.execute(facts.update().where(facts.c.id == fact_id).values(
-            kv_checksum=stored.checksum))
+        await set_kv(conn, store.fingerprint, [fact_id], kv_checksum=stored.checksum)
     bad = tiny_served.chat(poisoned, question, k=1, key_scales=False, **kwargs)
     _, logprobs_bad = tokens_and_logprobs(bad)
     assert max_logprob_diff(logprobs_bad, logprobs_t) > 1e-2
@@ -103,8 +103,7 @@ async def _restore(engine, store, fact_id: int, k, v, token_ids, kv_format: str)
     """Store the fact's blob anew in ``kv_format`` and record its checksum."""
     stored = store.put(str(fact_id), k, v, token_ids, window=0, kv_format=kv_format)
     async with engine.begin() as conn:
-        await conn.execute(facts.update().where(facts.c.id == fact_id).values(
-            kv_checksum=stored.checksum))
+        await set_kv(conn, store.fingerprint, [fact_id], kv_checksum=stored.checksum)
     return stored.checksum
 
 
@@ -147,7 +146,8 @@ async def test_the_fact_served_first_is_exact_through_its_lead_encoding(
                        "I have a golden retriever called Max.",
                        "I am a marine biologist at the city aquarium.", window=1)
     async with engine.connect() as conn:
-        rows = (await conn.execute(select(facts.c.id, facts.c.kv_lead_checksum).where(
+        rows = (await conn.execute(with_kv(store.fingerprint, facts.c.id,
+                                           fact_kv.c.kv_lead_checksum).where(
             facts.c.user_id == user).order_by(facts.c.id))).all()
     assert rows[0].kv_lead_checksum is None  # encoded after the preamble alone already
     assert rows[1].kv_lead_checksum is not None
@@ -222,8 +222,8 @@ async def test_evicted_facts_are_served_as_text_and_come_back_as_kv(
     assert tokens_and_logprobs(cold)[0] == tokens_and_logprobs(text)[0]  # the same prompt
     for _ in range(50):  # the server marks the user's facts wanted, off the request
         async with engine.connect() as conn:
-            wanted = (await conn.execute(select(facts.c.kv_wanted_at).where(
-                facts.c.user_id == user))).scalar_one()
+            wanted = (await conn.execute(with_kv(store.fingerprint, fact_kv.c.kv_wanted_at)
+                                         .where(facts.c.user_id == user))).scalar_one()
         if wanted is not None:
             break
         await asyncio.sleep(0.1)

@@ -31,13 +31,14 @@ from pathlib import Path, PurePosixPath
 import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from kvrows import with_kv
 from sqlalchemy import func, select
 
 from conftest import EXTERNAL_INFRA
 from helpers import read_topic, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.contracts.plan import lead_name
-from inferscale.db.tables import facts, turns
+from inferscale.db.tables import fact_kv, facts, turns
 from inferscale.devstack import infra
 from inferscale.devstack.stack import settings_env
 from inferscale.kv.store import KVStore
@@ -112,22 +113,25 @@ def _events(prefix: str, users: int, total: int):
     return events[:total]
 
 
-async def _counts(engine, prefix: str) -> tuple[int, int, int]:
+async def _counts(engine, prefix: str, model: str) -> tuple[int, int, int]:
+    """The drill's turns, facts, and facts with KV for the workers' model."""
     async with engine.connect() as conn:
         row = (await conn.execute(select(
             select(func.count()).where(turns.c.user_id.like(f"{prefix}-%")).scalar_subquery(),
             select(func.count()).where(facts.c.user_id.like(f"{prefix}-%")).scalar_subquery(),
-            select(func.count()).where(facts.c.user_id.like(f"{prefix}-%"),
-                                       facts.c.kv_location.is_not(None)).scalar_subquery(),
+            with_kv(model, func.count()).where(facts.c.user_id.like(f"{prefix}-%"),
+                                               fact_kv.c.kv_location.is_not(None))
+            .scalar_subquery(),
         ))).one()
     return tuple(row)
 
 
-async def _backfill_due(engine, prefix: str) -> int:
-    """Facts of the drill's users still waiting to be encoded again (early-fact backfill)."""
+async def _backfill_due(engine, prefix: str, model: str) -> int:
+    """Facts of the drill's users still waiting to be encoded again for the workers' model
+    (early-fact backfill)."""
     async with engine.connect() as conn:
-        return await conn.scalar(select(func.count()).where(
-            facts.c.user_id.like(f"{prefix}-%"), facts.c.backfill_due))
+        return await conn.scalar(with_kv(model, func.count()).where(
+            facts.c.user_id.like(f"{prefix}-%"), fact_kv.c.backfill_due))
 
 
 def _rss_peak_mb(pid: int) -> float:
@@ -162,11 +166,11 @@ async def _publish(drill: Drill, bootstrap: str, topic: str, events) -> None:
         await producer.stop()
 
 
-async def _sample(drill: Drill, engine, prefix: str, workers: dict[int, subprocess.Popen],
-                  stop: asyncio.Event) -> None:
+async def _sample(drill: Drill, engine, prefix: str, model: str,
+                  workers: dict[int, subprocess.Popen], stop: asyncio.Event) -> None:
     while not stop.is_set():
         with contextlib.suppress(Exception):  # Postgres may be restarting
-            drill.progress.append((drill.elapsed(), *await _counts(engine, prefix),
+            drill.progress.append((drill.elapsed(), *await _counts(engine, prefix, model),
                                    drill.published))
         for proc in list(workers.values()):
             drill.peak_worker_rss_mb = max(drill.peak_worker_rss_mb, _rss_peak_mb(proc.pid))
@@ -288,8 +292,8 @@ def _progress_after(drill: Drill, t: float, before: tuple[int, int, int]) -> flo
     return None
 
 
-async def _outages(drill: Drill, engine, prefix: str, local: Settings, broker: Settings,
-                   published: asyncio.Task) -> None:
+async def _outages(drill: Drill, engine, prefix: str, model: str, local: Settings,
+                   broker: Settings, published: asyncio.Task) -> None:
     """Restart Postgres at 40% of the stream and the broker at 70%."""
     steps = [(0.4, "postgres restart", lambda: infra.restart_postgres(local)),
              (0.7, "broker restart", lambda: infra.restart_kafka(broker))]
@@ -298,7 +302,7 @@ async def _outages(drill: Drill, engine, prefix: str, local: Settings, broker: S
     for fraction, name, restart in steps:
         while drill.published < fraction * TURNS and not published.done():
             await asyncio.sleep(0.2)
-        before = await _counts(engine, prefix)
+        before = await _counts(engine, prefix, model)
         at = drill.elapsed()
         await asyncio.to_thread(restart)
         drill.outages.append({"what": name, "at_s": round(at, 1), "restart_s":
@@ -321,6 +325,7 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
         kv_url = "s3://kv-drill/drill"
     local = base_settings.model_copy(update={"kafka_bootstrap": None, "database_url": None})
     prefix = f"drill-{uuid.uuid4().hex[:6]}"
+    model = model_fingerprint(tiny_models["llama"])  # the workers'; KV is counted for it
     events = _events(prefix, USERS, TURNS)
     cfg = settings.model_copy(update={
         "kafka_bootstrap": bootstrap, "model_path": tiny_models["llama"],
@@ -339,12 +344,12 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
     drill, stop, workers = Drill(), asyncio.Event(), {}
     rng = random.Random(7)
     plan = itertools.cycle(KILL_PLAN)
-    sampler = asyncio.create_task(_sample(drill, engine, prefix, workers, stop))
+    sampler = asyncio.create_task(_sample(drill, engine, prefix, model, workers, stop))
     slots = [asyncio.create_task(_supervise(i, drill, env, logs, plan, rng, workers, stop))
              for i in range(WORKER_SLOTS)]
     publisher = asyncio.create_task(_publish(drill, bootstrap, cfg.turns_topic, events))
     request.addfinalizer(lambda: _abandon(workers, [*slots, sampler, publisher]))
-    await _outages(drill, engine, prefix, local, broker, publisher)
+    await _outages(drill, engine, prefix, model, local, broker, publisher)
     await publisher
     stream_s = drill.elapsed()
     for _ in range(2400):  # on a slow machine: keep killing until every kind of kill was seen
@@ -362,7 +367,7 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
 
     # One clean worker finishes what the faults left behind.
     stop.clear()
-    sampler = asyncio.create_task(_sample(drill, engine, prefix, workers, stop))
+    sampler = asyncio.create_task(_sample(drill, engine, prefix, model, workers, stop))
     final_port = infra._free_port()
     with (logs / "worker-final.log").open("ab") as log:
         final = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "worker"], env={
@@ -374,8 +379,8 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
         # The faults may have left nothing to do: wait for the worker itself before reading it.
         assert await _wait_ready(final_port, final), "the final worker never became ready"
         for _ in range(1200):
-            if await _counts(engine, prefix) == (TURNS,) * 3 and not await _backfill_due(
-                    engine, prefix):
+            if await _counts(engine, prefix, model) == (TURNS,) * 3 and not await _backfill_due(
+                    engine, prefix, model):
                 break
             await asyncio.sleep(0.5)
         drain_s = drill.elapsed() - drain_from
@@ -387,18 +392,18 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
 
     for outage in drill.outages:
         outage["recovered_s"] = _progress_after(drill, outage["at_s"], outage.pop("counts_before"))
-    n_turns, n_facts, n_encoded = await _counts(engine, prefix)
+    n_turns, n_facts, n_encoded = await _counts(engine, prefix, model)
     async with engine.connect() as conn:
-        rows = (await conn.execute(select(facts.c.id, facts.c.kv_location, facts.c.kv_checksum,
-                                          facts.c.kv_lead_checksum, facts.c.encode_attempts,
-                                          facts.c.user_id)
+        rows = (await conn.execute(with_kv(model, facts.c.id, fact_kv.c.kv_location,
+                                           fact_kv.c.kv_checksum, fact_kv.c.kv_lead_checksum,
+                                           fact_kv.c.encode_attempts, facts.c.user_id)
                                    .where(facts.c.user_id.like(f"{prefix}-%"))
                                    .order_by(facts.c.ts, facts.c.id))).all()
         # The drill's workers also encode what other tests left pending in the shared
         # database; those blobs are theirs, not orphans.
         others = set((await conn.execute(select(facts.c.id).where(
             facts.c.user_id.not_like(f"{prefix}-%")))).scalars())
-    store = KVStore.from_settings(cfg, model_fingerprint(tiny_models["llama"]), host_bytes=0)
+    store = KVStore.from_settings(cfg, model, host_bytes=0)
     expected = set()  # every fact's blob, and its lead blob where one is recorded
     for row in rows:
         store.get(row.kv_location, row.kv_checksum)  # verifies content and fingerprint

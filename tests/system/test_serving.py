@@ -6,11 +6,13 @@ import uuid
 
 import httpx
 import pytest
-from sqlalchemy import select, update
+from kvrows import with_kv
+from sqlalchemy import delete, select, update
 
 from helpers import ingest_and_encode, metric, sample_turns, turn
 from inferscale.contracts.plan import LEAD
-from inferscale.db.tables import facts
+from inferscale.db.encode_queue import register_model
+from inferscale.db.tables import fact_kv, facts, kv_models
 from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import wait_encoded, worker_process
 from inferscale.kv import fused as kvwrite
@@ -30,9 +32,10 @@ def cfg(served, settings):
         "model_path", "kv_dir", "data_dir", "window", "top_k")})
 
 
-async def _memory_tokens(engine, user: str, encoder) -> int:
+async def _memory_tokens(engine, user: str, encoder, model: str) -> int:
+    """The tokens of the user's memory (the preamble and every fact, as encoded for model)."""
     async with engine.connect() as conn:
-        counts = (await conn.execute(select(facts.c.token_count).where(
+        counts = (await conn.execute(with_kv(model, fact_kv.c.token_count).where(
             facts.c.user_id == user))).scalars().all()
     return len(encoder.layout.preamble_ids) + sum(counts)
 
@@ -61,7 +64,7 @@ async def test_stored_fact_answers_with_injected_kv(served, smol, cfg, engine, e
     assert injected + prefilled == response.json()["usage"]["prompt_tokens"]
     # With every fact retrieved, exactly the memory (preamble + all facts) is injected.
     everything = served.chat(user, "Tell me about Sam.", k=50, max_tokens=4)
-    memory = await _memory_tokens(engine, user, encoder)
+    memory = await _memory_tokens(engine, user, encoder, store.fingerprint)
     assert int(everything.headers["x-inferscale-injected-tokens"]) == memory
     assert everything.json()["kv_transfer_params"]["injected_tokens"] == memory
     assert int(everything.headers["x-inferscale-prefilled-tokens"]) < memory
@@ -98,7 +101,8 @@ async def test_tail_recompute_prefills_the_best_facts_after_the_injected(served,
     assert t["x-inferscale-facts-injected"] == "3"
     assert t["x-inferscale-prompt-tokens"] == h["x-inferscale-prompt-tokens"]
     async with engine.connect() as conn:
-        counts = dict((await conn.execute(select(facts.c.id, facts.c.token_count).where(
+        counts = dict((await conn.execute(with_kv(
+            store.fingerprint, facts.c.id, fact_kv.c.token_count).where(
             facts.c.user_id == user))).all())
     best_two = [int(i) for i in h["x-inferscale-fact-ids"].split(",")[-2:]]
     assert int(t["x-inferscale-injected-tokens"]) == int(h["x-inferscale-injected-tokens"]) - sum(
@@ -169,7 +173,7 @@ async def test_facts_without_kv_are_served_as_text_until_encoded(served, smol, c
     finally:
         failpoints.arm("")
     async with engine.connect() as conn:
-        errors = (await conn.execute(select(facts.c.encode_error).where(
+        errors = (await conn.execute(with_kv(store.fingerprint, fact_kv.c.encode_error).where(
             facts.c.user_id == user))).scalars().all()
     assert len(errors) == 2 and all("No space left on device" in e for e in errors)
     response = served.chat(user, question, k=2)
@@ -197,8 +201,8 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
         turn(user, "t2", "Dana", "I work as a florist in Bruges.")], encoder, store)
     question = "What is the name of Dana's dog?"
     async with engine.connect() as conn:
-        rows = (await conn.execute(select(facts.c.id, facts.c.kv_location).where(
-            facts.c.user_id == user))).all()
+        rows = (await conn.execute(with_kv(store.fingerprint, facts.c.id, fact_kv.c.kv_location)
+                                   .where(facts.c.user_id == user))).all()
     for row in rows:  # corrupt one blob's bytes, replace the other with another model's blob
         path = store.durable.root / row.kv_location
         raw = bytearray(path.read_bytes())
@@ -218,14 +222,24 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
     # beagle." instead of naming Waffles; both words are in the fact only).
     assert metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
     assert _names_the_dog(response)
-    # A fact encoded for another model is not even planned for injection.
+    # A fact encoded for another model is not even planned for injection: the user's KV rows
+    # become another model's, and the served model has none.
+    other_model = "f" * 64
+    mine = select(facts.c.id).where(facts.c.user_id == user).scalar_subquery()
     async with engine.begin() as conn:
-        await conn.execute(update(facts).where(facts.c.user_id == user).values(
-            model_fingerprint="f" * 64))
+        await register_model(conn, other_model)
+        await conn.execute(delete(fact_kv).where(fact_kv.c.model_fingerprint == other_model,
+                                                 fact_kv.c.fact_id.in_(mine)))
+        moved_rows = await conn.execute(update(fact_kv).where(
+            fact_kv.c.model_fingerprint == store.fingerprint, fact_kv.c.fact_id.in_(mine))
+            .values(model_fingerprint=other_model))
+        assert moved_rows.rowcount == len(rows)
     refused = served.chat(user, question)
     assert refused.headers["x-inferscale-facts-injected"] == "0"
     assert metric(served, "inferscale_kv_load_failures_total") == failures_before + 1
     assert _names_the_dog(refused)
+    async with engine.begin() as conn:  # no facts of the module's later tests wait for it
+        await conn.execute(delete(kv_models).where(kv_models.c.fingerprint == other_model))
 
 
 async def test_plain_request_never_reuses_injected_blocks(served, smol, cfg, engine, embedder):
@@ -403,7 +417,8 @@ async def test_memory_that_changes_is_served_as_it_is_now(served, smol, cfg, eng
                           invalidate=invalidate)
         await EncodeWorker(cfg, engine, encoder, store).run(drain=True)
         async with engine.connect() as conn:
-            row = (await conn.execute(select(facts.c.id, facts.c.kv_location).where(
+            row = (await conn.execute(with_kv(
+                store.fingerprint, facts.c.id, fact_kv.c.kv_location).where(
                 facts.c.user_id == user, facts.c.deleted_at.is_(None)))).one()
         return row.id, row.kv_location
 
@@ -443,7 +458,8 @@ async def test_a_fact_holding_a_lead_blob_is_served_first_in_every_mode(served, 
     await ingest_and_encode(cfg.model_copy(update={"lead_share": 0.0, "encode_backfill": False}),
                             engine, embedder, turns, encoder, store)
     async with engine.connect() as conn:
-        rows = (await conn.execute(select(facts.c.id, facts.c.kv_lead_checksum).where(
+        rows = (await conn.execute(with_kv(
+            store.fingerprint, facts.c.id, fact_kv.c.kv_lead_checksum).where(
             facts.c.user_id == user))).all()
     leads = {r.id for r in rows if r.kv_lead_checksum}
     assert leads and len(leads) < len(rows)  # the first facts (encoded after < window) only

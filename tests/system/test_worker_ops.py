@@ -81,6 +81,8 @@ async def test_health_and_metrics_endpoints():
 class _DyingStore:
     """A KV store whose first use fails once the test lets it: the encode stage dies."""
 
+    fingerprint = "d" * 64
+
     def __init__(self) -> None:
         self.release = threading.Event()
 
@@ -175,9 +177,10 @@ async def test_a_stuck_encode_is_reported_and_its_facts_encoded_by_another_worke
     """A forward pass that never returns (armed: the batch holding this user's facts hangs in
     the model thread): the stage says so (log with the thread's stack, metric, both probes
     503 with the reason), and once its lease runs out a second worker encodes the facts."""
-    from sqlalchemy import select
+    from kvrows import with_kv
 
-    from inferscale.db.tables import facts
+    from inferscale.contracts.fingerprint import model_fingerprint
+    from inferscale.db.tables import fact_kv, facts
 
     tag = f"stuck{uuid.uuid4().hex[:6]}"
     await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
@@ -193,9 +196,13 @@ async def test_a_stuck_encode_is_reported_and_its_facts_encoded_by_another_worke
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
 
+    model = model_fingerprint(tiny_models["llama"])
+
     async def kv_locations() -> list[str | None]:
+        """The KV locations of the user's facts for the workers' model (None: none yet)."""
         async with engine.connect() as conn:
-            rows = await conn.execute(select(facts.c.kv_location).where(facts.c.user_id == tag))
+            rows = await conn.execute(with_kv(model, fact_kv.c.kv_location).where(
+                facts.c.user_id == tag))
             return [row.kv_location for row in rows]
 
     monkeypatch.setenv("INFERSCALE_FAILPOINTS", f"encode.before_forward=hang~{tag}")

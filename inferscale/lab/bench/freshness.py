@@ -9,22 +9,25 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import and_, select
 
 from inferscale.contracts.events import TurnEvent
+from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.db.engine import create_engine
-from inferscale.db.tables import facts, turns
+from inferscale.db.tables import fact_kv, facts, turns
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.kafka import ensure_topics, make_producer
+from inferscale.platform.model_prep import resolve_model_path
 from inferscale.platform.settings import Settings
 
 
 async def _fresh(settings: Settings, url: str, n: int, poll_s: float) -> list[dict]:
     user = f"fresh-{uuid.uuid4().hex[:6]}"
     engine = create_engine(settings.database_url)
+    model = model_fingerprint(resolve_model_path(settings))  # the worker's and the server's
     producer = make_producer(resolve_kafka_bootstrap(settings))
     await producer.start()
     results = []
@@ -58,7 +61,7 @@ async def _fresh(settings: Settings, url: str, n: int, poll_s: float) -> list[di
                         if str(fact_id) in ids[:injected]:
                             injected_at = time.perf_counter() - published
                     await asyncio.sleep(poll_s)
-                stages = await _stage_times(engine, user, f"t{i}", published_wall)
+                stages = await _stage_times(engine, model, user, f"t{i}", published_wall)
                 results.append({"turn": i, "used_as_text_s": used_at, "injected_s": injected_at,
                                 **stages, "probes": len(probes),
                                 "probe_mean_s": sum(probes) / max(len(probes), 1)})
@@ -70,14 +73,16 @@ async def _fresh(settings: Settings, url: str, n: int, poll_s: float) -> list[di
     return results
 
 
-async def _stage_times(engine, user: str, turn_id: str, published: datetime
+async def _stage_times(engine, model: str, user: str, turn_id: str, published: datetime
                        ) -> dict[str, float | None]:
     """When the worker stored the turn, extracted it, stored its fact and encoded it, in seconds
     after publishing (the database's clock; a batch's rows share its transaction's time)."""
     async with engine.connect() as conn:
         turn = (await conn.execute(select(turns.c.created_at, turns.c.extracted_at).where(
             turns.c.user_id == user, turns.c.turn_id == turn_id))).first()
-        fact = (await conn.execute(select(facts.c.created_at, facts.c.encoded_at).where(
+        fact = (await conn.execute(select(facts.c.created_at, fact_kv.c.encoded_at).select_from(
+            facts.outerjoin(fact_kv, and_(fact_kv.c.fact_id == facts.c.id,
+                                          fact_kv.c.model_fingerprint == model))).where(
             facts.c.user_id == user, facts.c.turn_ids == [turn_id]))).first()
     times = {"stored_s": turn and turn.created_at, "extracted_s": turn and turn.extracted_at,
              "fact_stored_s": fact and fact.created_at, "encoded_s": fact and fact.encoded_at}

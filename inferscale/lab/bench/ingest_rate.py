@@ -8,20 +8,23 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, select
 
+from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.db.engine import create_engine
-from inferscale.db.tables import facts, turns
+from inferscale.db.tables import fact_kv, facts, turns
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
 from inferscale.pipeline.sources import read_turns
+from inferscale.platform.model_prep import resolve_model_path
 from inferscale.platform.settings import Settings
 
 
 async def _one_run(settings: Settings, events, timeout_s: float) -> dict:
     engine = create_engine(settings.database_url)
+    model = model_fingerprint(resolve_model_path(settings))  # the workers'
     users = sorted({e.user_id for e in events})
     try:
         bootstrap = resolve_kafka_bootstrap(settings)
@@ -37,7 +40,9 @@ async def _one_run(settings: Settings, events, timeout_s: float) -> dict:
                     func.count(), func.count(turns.c.extracted_at)).where(
                     turns.c.user_id.in_(users)))).one()
                 n_facts, n_encoded = (await conn.execute(select(
-                    func.count(), func.count(facts.c.kv_location)).where(
+                    func.count(), func.count(fact_kv.c.kv_location)).select_from(
+                    facts.outerjoin(fact_kv, and_(fact_kv.c.fact_id == facts.c.id,
+                                                  fact_kv.c.model_fingerprint == model))).where(
                     facts.c.user_id.in_(users), facts.c.deleted_at.is_(None)))).one()
             if stored_at is None and n_turns >= len(events):
                 stored_at = time.perf_counter() - t0

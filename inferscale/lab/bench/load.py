@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import text
 
 from inferscale.contracts.events import TurnEvent
+from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.db.engine import create_engine
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import server_process, worker_process
@@ -28,6 +29,7 @@ from inferscale.lab.bench.throughput import poisson_load
 from inferscale.lab.bench.ttft import ingest_user, prepare_user
 from inferscale.pipeline.kafka import make_producer
 from inferscale.pipeline.sources import read_turns
+from inferscale.platform.model_prep import resolve_model_path
 from inferscale.platform.settings import Settings
 
 
@@ -78,11 +80,13 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
         print(f"ingest {rate} turns/s: query TTFT p50 "
               f"{percentile([t for t in ttfts if t is not None], 50):.3f}s", flush=True)
     engine = create_engine(settings.database_url)
+    model = model_fingerprint(resolve_model_path(settings))
     try:
         deadline = time.monotonic() + drain_s
         while True:  # let the backlog finish, so freshness covers every generated turn
             async with engine.connect() as conn:
-                rows = (await conn.execute(TURN_PROGRESS, {"users": f"{prefix}-%"})).all()
+                rows = (await conn.execute(TURN_PROGRESS, {"users": f"{prefix}-%",
+                                                           "model": model})).all()
             if (len(rows) == sent and all(r.encoded_at for r in rows)) or (
                     time.monotonic() > deadline):
                 break
@@ -118,14 +122,16 @@ async def _phases(settings: Settings, url: str, user: str, questions: list[str],
 
 
 # Per turn: when its facts were stored (usable as text) and when the last of them got its KV
+# for the served model
 # (a turn without facts counts as encoded when extracted); any number of facts per turn.
 TURN_PROGRESS = text("""
     SELECT t.user_id, t.turn_id, t.extracted_at AS created_at, count(f.id) AS facts,
            CASE WHEN count(f.id) = 0 THEN t.extracted_at
-                WHEN bool_and(f.encoded_at IS NOT NULL) THEN max(f.encoded_at) END AS encoded_at
+                WHEN bool_and(k.encoded_at IS NOT NULL) THEN max(k.encoded_at) END AS encoded_at
     FROM turns t LEFT JOIN facts f
       ON f.user_id = t.user_id AND f.conversation_id = t.conversation_id
      AND t.turn_id = ANY(f.turn_ids) AND f.deleted_at IS NULL
+    LEFT JOIN fact_kv k ON k.fact_id = f.id AND k.model_fingerprint = :model
     WHERE t.user_id LIKE :users
     GROUP BY t.user_id, t.turn_id, t.extracted_at
 """)

@@ -15,11 +15,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import delete, text, update
+from sqlalchemy import delete, select, text, update
 
 from inferscale.contracts.plan import sign
+from inferscale.db.encode_queue import register_model
 from inferscale.db.reads import top_k_facts
-from inferscale.db.tables import facts
+from inferscale.db.tables import fact_kv, facts
 from inferscale.db.turns import NewFact, upsert_facts
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.embedder import Embedder, load_embedder
@@ -70,18 +71,23 @@ async def store_encoded_facts(engine, users: list[str], n: int, rng: np.random.G
         stored.append(vectors)
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        await conn.execute(update(facts).where(facts.c.user_id.in_(users)).values(
+        await register_model(conn, fingerprint)
+        await conn.execute(update(fact_kv).where(
+            fact_kv.c.model_fingerprint == fingerprint,
+            fact_kv.c.fact_id.in_(select(facts.c.id).where(facts.c.user_id.in_(users)))).values(
             token_ids=TOKEN_IDS, kv_location="kv/" + "0" * 40, kv_checksum="0" * 64,
-            kv_lead_checksum="0" * 64, model_fingerprint=fingerprint))
-        await conn.execute(text("VACUUM ANALYZE facts"))  # the steady state after encoding
+            kv_lead_checksum="0" * 64))
+        for table in ("facts", "fact_kv"):  # the steady state after encoding
+            await conn.execute(text(f"VACUUM ANALYZE {table}"))
     return stored[0]
 
 
-async def _sql_search(engine, user: str, vector: np.ndarray, k: int) -> list:
+async def _sql_search(engine, user: str, fingerprint: str, vector: np.ndarray, k: int
+                      ) -> list:
     """The server's search before the in-process index (its fallback now): pgvector ranks."""
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        return await top_k_facts(conn, user, vector.tolist(), k)
+        return await top_k_facts(conn, user, fingerprint, vector.tolist(), k)
 
 
 async def _searches(search, facts_of_owner: np.ndarray, queries: np.ndarray, k: int
@@ -153,7 +159,8 @@ async def _run(settings: Settings, questions: list[str], ks: tuple[int, ...]) ->
             facts_of_first = np.concatenate([facts_of_first, new[None]])
             for label, search in (
                     ("index", lambda q, k, u=users[0], i=index: i.search(u, q, k)),
-                    ("sql", lambda q, k, u=users[0]: _sql_search(engine, u, q, k))):
+                    ("sql", lambda q, k, u=users[0]: _sql_search(engine, u, rt.fingerprint, q,
+                                                                   k))):
                 for k in ks:
                     samples, recall = await _searches(search, facts_of_first, vectors, k)
                     searches.append({"facts_per_user": n, "owners": owners, "search": label,
