@@ -15,9 +15,9 @@ memory tier serves a blob only under the checksum the plan expects.
 Lead blobs (``lead_share``): a fact gets a second blob, encoded after the preamble alone, where
 its owner's memory is small or its id hashes into the share; servers put one such fact first.
 
-Several models (``fact_kv``): the stage registers its model at start, so every live fact (and
-every fact inserted later) waits for this model's KV too, the facts of before after the fresh
-ones; other models' KV stays for their servers. Model migration (``encode_migrate``): when
+Several models (``fact_kv``): the stage registers its model in its first batch, so every live
+fact (and every fact inserted later) waits for this model's KV too, the facts of before after
+the fresh ones; other models' KV stays for their servers. Model migration (``encode_migrate``): when
 nothing else waits, the KV of every other model of facts that have this model's goes (rows, then
 blobs).
 
@@ -90,7 +90,7 @@ class EncodeStats:
     encoded: int = 0
     reencoded: int = 0  # of those, facts encoded again after a wider context (backfill)
     restored: int = 0  # of those, facts whose KV had been evicted, wanted back by a request
-    migrated: int = 0  # of those, facts whose KV for other models went (encode_migrate)
+    migrated: int = 0  # other models' rows of facts that have this model's KV, dropped
     failed: int = 0
     batches: int = 0
 
