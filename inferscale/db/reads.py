@@ -47,14 +47,16 @@ async def top_k_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
     the owner's rows through ix_facts_user), with their KV for model ``fingerprint``: for owners
     too large for a server's in-process index."""
     distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
-    kv = facts.outerjoin(fact_kv, and_(fact_kv.c.fact_id == facts.c.id,
-                                       fact_kv.c.model_fingerprint == fingerprint))
-    stmt = (select(facts.c.id, facts.c.text, distance, fact_kv.c.token_ids,
+    # Rank first, then join the k hits' KV rows (a join before the limit would read the
+    # model's KV rows of every fact of the owner).
+    hits = (select(facts.c.id, facts.c.text, distance)
+            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None), *in_scope(scope))
+            .order_by(distance, facts.c.id).limit(k).subquery())
+    kv = hits.outerjoin(fact_kv, and_(fact_kv.c.fact_id == hits.c.id,
+                                      fact_kv.c.model_fingerprint == fingerprint))
+    stmt = (select(hits.c.id, hits.c.text, hits.c.distance, fact_kv.c.token_ids,
                    fact_kv.c.kv_location, fact_kv.c.kv_checksum, fact_kv.c.kv_lead_checksum)
-            .select_from(kv)
-            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None),
-                   *in_scope(scope))
-            .order_by(distance, facts.c.id).limit(k))
+            .select_from(kv).order_by(hits.c.distance, hits.c.id))
     return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
 
 @dataclass(frozen=True)

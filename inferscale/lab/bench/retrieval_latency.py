@@ -69,9 +69,10 @@ async def store_encoded_facts(engine, users: list[str], n: int, rng: np.random.G
             async with engine.begin() as conn:
                 await upsert_facts(conn, rows)
         stored.append(vectors)
+    async with engine.begin() as conn:
+        await register_model(conn, fingerprint)
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        await register_model(conn, fingerprint)
         await conn.execute(update(fact_kv).where(
             fact_kv.c.model_fingerprint == fingerprint,
             fact_kv.c.fact_id.in_(select(facts.c.id).where(facts.c.user_id.in_(users)))).values(
