@@ -29,9 +29,8 @@ async def delete_user(conn: AsyncConnection, user_id: str) -> tuple[list[int], l
     # an encode recorded meanwhile has committed by then, one recorded later finds them gone.
     ids = list((await conn.execute(select(facts.c.id).where(facts.c.user_id == user_id)
                                    .order_by(facts.c.id).with_for_update())).scalars())
-    locations = [location for location in (await conn.execute(
-        select(fact_kv.c.kv_location).where(fact_kv.c.fact_id == any_(_ids(ids))))).scalars()
-        if location]
+    locations = [location for held in (await kv_locations(conn, ids)).values()
+                 for location in held]
     await conn.execute(delete(facts).where(facts.c.user_id == user_id))
     await conn.execute(delete(turns).where(turns.c.user_id == user_id))
     now = func.clock_timestamp()
@@ -44,6 +43,17 @@ def _ids(fact_ids: Sequence[int]) -> BindParameter:
     # One array parameter (= ANY): an IN list binds one parameter per id, and asyncpg takes
     # at most 32,767 of them, fewer than the blobs a bucket holds.
     return bindparam("ids", list(fact_ids), type_=ARRAY(BigInteger))
+
+async def kv_locations(conn: AsyncConnection, fact_ids: Sequence[int]) -> dict[int, list[str]]:
+    """Where these facts' KV is, for every model (facts without any: absent). Read after the
+    facts' rows were locked or retired: an encode recorded meanwhile has committed by then, and
+    one recorded later finds its fact gone."""
+    rows = await conn.execute(select(fact_kv.c.fact_id, fact_kv.c.kv_location).where(
+        fact_kv.c.fact_id == any_(_ids(fact_ids)), fact_kv.c.kv_location.is_not(None)))
+    held: dict[int, list[str]] = {}
+    for fact_id, location in rows.all():
+        held.setdefault(fact_id, []).append(location)
+    return held
 
 async def blobs_owned(conn: AsyncConnection, fact_ids: Sequence[int]) -> set[tuple[int, str]]:
     """Which (fact id, model fingerprint's 16-char prefix) pairs among these facts' may own KV

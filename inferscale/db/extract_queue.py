@@ -18,6 +18,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from inferscale.contracts.scope import Scope
+from inferscale.db.deletion import kv_locations
 from inferscale.db.tables import facts, turns
 from inferscale.db.turns import NewFact, lock_users
 
@@ -148,13 +149,6 @@ _RETIRE = text("""
     RETURNING f.id, f.user_id
 """)
 
-# Read after the retirement, whose row locks waited for any encode being recorded: that one
-# committed, and a later one finds the fact gone.
-_KV_OF = text("""
-    SELECT fact_id, array_agg(kv_location) AS locations FROM fact_kv
-    WHERE fact_id = ANY(CAST(:ids AS bigint[])) AND kv_location IS NOT NULL GROUP BY fact_id
-""")
-
 async def record_extraction(conn: AsyncConnection, claimed: Sequence[ClaimedTurn],
                             new_facts: Sequence[NewFact], retired: Sequence[Retirement]
                             ) -> tuple[int, list[tuple[str, list[str]]]]:
@@ -190,8 +184,7 @@ async def record_extraction(conn: AsyncConnection, claimed: Sequence[ClaimedTurn
     rows = (await conn.execute(_RETIRE, {
         "ids": [r.fact_id for r in applied], "users": [r.user_id for r in applied],
         "bys": [ids[r.by] if r.by is not None else None for r in applied]})).all()
-    kv: dict[int, list[str]] = {fact_id: locations for fact_id, locations in (
-        await conn.execute(_KV_OF, {"ids": [r.id for r in rows]})).all()}
+    kv = await kv_locations(conn, [r.id for r in rows])  # after the retirement's row locks
     return len(ids), [(r.user_id, list(kv.get(r.id, []))) for r in rows]
 
 async def count_unextracted_turns(conn: AsyncConnection) -> int:

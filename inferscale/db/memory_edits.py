@@ -21,6 +21,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from inferscale.contracts.scope import ANY, Scope
+from inferscale.db.deletion import kv_locations
 from inferscale.db.reads import in_scope
 from inferscale.db.tables import fact_kv, facts
 from inferscale.db.turns import lock_users
@@ -136,13 +137,6 @@ async def fact_history(conn: AsyncConnection, user_id: str, fingerprint: str, fa
     return [_record(row) for row in rows]
 
 
-async def _kv_locations(conn: AsyncConnection, fact_id: int) -> list[str]:
-    """Where a fact's KV is, for every model. Read after its retirement, whose row lock waited
-    for any encode being recorded: that one committed, and a later one finds the fact gone."""
-    return [location for location in (await conn.execute(select(fact_kv.c.kv_location).where(
-        fact_kv.c.fact_id == fact_id, fact_kv.c.kv_location.is_not(None)))).scalars()]
-
-
 async def delete_fact(conn: AsyncConnection, user_id: str, fact_id: int
                       ) -> tuple[bool, list[str]]:
     """Retire one live fact of the owner: (whether it was live, its KV locations for every
@@ -152,7 +146,7 @@ async def delete_fact(conn: AsyncConnection, user_id: str, fact_id: int
         facts.update().where(facts.c.id == fact_id, facts.c.user_id == user_id,
                              facts.c.deleted_at.is_(None))
         .values(deleted_at=func.clock_timestamp()).returning(facts.c.id))).first()
-    return (row is not None, await _kv_locations(conn, fact_id) if row else [])
+    return (row is not None, (await kv_locations(conn, [fact_id])).get(fact_id, []) if row else [])
 
 
 async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_id: int,
@@ -180,7 +174,7 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_
         deleted_at=func.clock_timestamp(), superseded_by=new_id))
     record = await get_fact(conn, user_id, fingerprint, new_id)
     assert record is not None  # inserted in this transaction
-    return record, await _kv_locations(conn, fact_id)
+    return record, (await kv_locations(conn, [fact_id])).get(fact_id, [])
 
 
 async def add_fact(conn: AsyncConnection, user_id: str, fingerprint: str, conversation_id: str,
