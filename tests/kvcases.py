@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from inferscale.contracts.kv_format import FP8, KVPiece, quantize
+from inferscale.kv.chain import SKIP, LayerSlots
 
 BF16 = torch.bfloat16
 
@@ -30,6 +31,18 @@ def kv_case(gen: torch.Generator, layers: int, heads: int, dim: int, block_size:
     slots = order[positions // block_size] * block_size + positions % block_size
     scales = (torch.rand(layers, tokens, generator=gen) + 0.5).to(BF16) if scaled else None
     return pieces, positions, slots, scales, (blocks, heads, block_size, 2 * dim)
+
+
+def window_slots(gen: torch.Generator, positions: torch.Tensor, block_size: int, blocks: int,
+                 layers: int, window: int) -> LayerSlots:
+    """Slots as vLLM's hybrid KV cache manager gives them: two groups of layers (every other
+    layer in the second), each with its own shuffled blocks, the second (sliding) keeping only
+    the blocks that hold the last ``window`` positions (``SKIP`` before them)."""
+    table = torch.stack([torch.randperm(blocks, generator=gen)[positions // block_size]
+                         * block_size + positions % block_size for _ in range(2)])
+    first_kept = max(int(positions[-1]) + 1 - window, 0) // block_size * block_size
+    table[1, positions < first_kept] = SKIP
+    return LayerSlots(table, torch.arange(layers) % 2)
 
 
 def every_e4m3_code(gen: torch.Generator, layers: int, heads: int, dim: int) -> KVPiece:

@@ -64,7 +64,9 @@ typedef struct {
     const int64_t *k_params;           /* per token: its blob's layer-0 [heads][2][dim] */
     const int64_t *v_params;           /* per token: its layer-0 [heads][2] */
     const int64_t *v_params_stride;    /* per token: elements between its layers' params */
-    const int64_t *slots, *positions;
+    const int64_t *slots;              /* [groups][tokens]: each token's slot, -1: not written */
+    const int64_t *groups;             /* per layer: its row of slots */
+    const int64_t *positions;
     const uint16_t *cos_sin;           /* [tables * max_position][rot]: cos | sin */
     const int64_t *layer_rows;         /* per layer: the first row of its table in cos_sin */
     const uint16_t *scales;            /* [layers][tokens] bf16 key scales, or NULL */
@@ -140,6 +142,7 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
     const int64_t heads = j->heads, dim = j->dim, rot = j->rot, half = rot / 2;
     const int64_t bs = j->block_size, tokens = j->tokens, row = heads * dim;
     uint16_t *cache = (uint16_t *)(intptr_t)j->caches[layer];
+    const int64_t *slots = j->slots + j->groups[layer] * tokens;
     uint16_t tile[GROUP][MAX_DIM] __attribute__((aligned(64)));
     uint16_t kdq[GROUP][MAX_DIM], vdq[GROUP][MAX_DIM];  /* dequantised rows of one head */
     float cs[GROUP][MAX_DIM], scale[GROUP];
@@ -147,8 +150,12 @@ CLONES static void inject_layer(const job_t *j, int64_t layer) {
     const uint16_t *kr[GROUP], *vr[GROUP];  /* one head's bf16 K / V row per token */
     int64_t t = 0;
     while (t < tokens) {
-        int64_t s0 = j->slots[t], block = s0 / bs, o0 = s0 % bs, n = 1;
-        while (t + n < tokens && n < GROUP && j->slots[t + n] == s0 + n && (o0 + n) % GROUP)
+        if (slots[t] < 0) {  /* a block this layer's group does not keep */
+            t++;
+            continue;
+        }
+        int64_t s0 = slots[t], block = s0 / bs, o0 = s0 % bs, n = 1;
+        while (t + n < tokens && n < GROUP && slots[t + n] == s0 + n && (o0 + n) % GROUP)
             n++;
         for (int64_t i = t + n; i < t + n + GROUP && i < tokens; i++) {
             const char *kp = row_of(j->piece_k, j, layer, i);
@@ -266,15 +273,16 @@ static int supported(const job_t *j) {
 }
 
 /* inject(layout, layers, heads, dim, rot, block_size, tokens, piece_k, piece_v, layer_stride,
-          bits, fp8, k_params, v_params, v_params_stride, slots, positions, cos_sin, layer_rows,
-          scales, caches):
+          bits, fp8, k_params, v_params, v_params_stride, slots, groups, positions, cos_sin,
+          layer_rows, scales, caches):
    addresses are ints (0: no scales); the per-token tables are int64 */
 static PyObject *inject(PyObject *self, PyObject *args) {
     job_t j;
-    int64_t layers, a[14];
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim,
+    int64_t layers, a[15];
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLLLLLLLL", &j.layout, &layers, &j.heads, &j.dim,
                           &j.rot, &j.block_size, &j.tokens, &a[0], &a[1], &a[2], &a[3], &a[4],
-                          &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13]))
+                          &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13],
+                          &a[14]))
         return NULL;
     if (!supported(&j) || layers < 0) {
         PyErr_SetString(PyExc_ValueError, "fused KV write: unsupported shape or layout");
@@ -289,13 +297,15 @@ static PyObject *inject(PyObject *self, PyObject *args) {
     j.v_params = (const int64_t *)(intptr_t)a[6];
     j.v_params_stride = (const int64_t *)(intptr_t)a[7];
     j.slots = (const int64_t *)(intptr_t)a[8];
-    j.positions = (const int64_t *)(intptr_t)a[9];
-    j.cos_sin = (const uint16_t *)(intptr_t)a[10];
-    j.layer_rows = (const int64_t *)(intptr_t)a[11];
-    j.scales = (const uint16_t *)(intptr_t)a[12];
-    j.caches = (const int64_t *)(intptr_t)a[13];
+    j.groups = (const int64_t *)(intptr_t)a[9];
+    j.positions = (const int64_t *)(intptr_t)a[10];
+    j.cos_sin = (const uint16_t *)(intptr_t)a[11];
+    j.layer_rows = (const int64_t *)(intptr_t)a[12];
+    j.scales = (const uint16_t *)(intptr_t)a[13];
+    j.caches = (const int64_t *)(intptr_t)a[14];
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(static)
+    /* dynamic: a sliding-window layer may write only its window's tokens */
+#pragma omp parallel for schedule(dynamic)
     for (int64_t layer = 0; layer < layers; layer++) inject_layer(&j, layer);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

@@ -1,10 +1,11 @@
-"""The fused KV write as one Triton kernel, for vLLM's CUDA paged cache (``kvwrite.py``).
+"""The fused KV write as one Triton kernel, for vLLM's CUDA paged cache (``fused.py``).
 
 One program per (token, layer): read the token's stored key and value rows of that layer
 (through a table of row addresses, so the facts' blobs are read where they lie), rotate the key
 to the token's position with the layer's cos|sin table (and scale it) and store both in the
 layer's block layout ``[blocks, heads, block_size, 2 * head_dim]`` (K in the first half of the
-last dimension, V in the second), at the token's slot. Rounding follows one of two rotary
+last dimension, V in the second), at the token's slot in the layer's group (none: the group keeps
+no block there, outside a sliding window; the program stores nothing). Rounding follows one of two rotary
 kernels, as the chain rounds with it: ``ROUND_ONCE`` each rotated element computed in fp32 and
 rounded to bf16 once (vLLM's CPU kernel), else every product and sum rounded to bf16 (torch's
 bf16 ops; c10's BFloat16 arithmetic rounds so too). Products of two bf16 values are exact in
@@ -70,7 +71,7 @@ def _row(row, heads, d, mask, bits, fp8, params, step, DIM: tl.constexpr):
 
 @triton.jit
 def inject_kernel(keys, values, layer_strides, bits_of, fp8_of, k_params, v_params,
-                  v_params_strides, positions, slots, cos_sin, scales, caches, layer_rows,
+                  v_params_strides, positions, slots, groups, cos_sin, scales, caches, layer_rows,
                   tokens, block_size,
                   stride_block, stride_head, stride_slot, HEADS: tl.constexpr, DIM: tl.constexpr,
                   ROT: tl.constexpr, HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr,
@@ -88,17 +89,20 @@ def inject_kernel(keys, values, layer_strides, bits_of, fp8_of, k_params, v_para
     value_params = tl.load(v_params + token).to(tl.pointer_type(tl.bfloat16)) + (
         layer * tl.load(v_params_strides + token))
     table_row = tl.load(layer_rows + layer) + tl.load(positions + token)  # in cos_sin
-    slot = tl.load(slots + token)
+    slot = tl.load(slots + tl.load(groups + layer) * tokens + token)
+    written = tl.where(slot >= 0, HEADS, 0)  # heads to store; -1: a block the group drops
+    slot = tl.maximum(slot, 0)
     cache = tl.load(caches + layer).to(tl.pointer_type(tl.bfloat16))
     out = cache + (slot // block_size) * stride_block + (slot % block_size) * stride_slot
     heads = tl.arange(0, HEADS_P2)[:, None]
+    present = heads < written
     scale = 1.0
     if SCALED:
         scale = tl.load(scales + layer * tokens + token).to(tl.float32)
 
     half = ROT // 2
     d = tl.arange(0, HALF_P2)[None, :]
-    rotated = (heads < HEADS) & (d < half)
+    rotated = present & (d < half)
     x = _row(key_row, heads, d, rotated, bits, fp8, key_params, DIM, DIM)
     y = _row(key_row, heads, d + half, rotated, bits, fp8, key_params, DIM, DIM)
     cos = tl.load(cos_sin + table_row * ROT + d, mask=d < half).to(tl.float32)
@@ -117,14 +121,14 @@ def inject_kernel(keys, values, layer_strides, bits_of, fp8_of, k_params, v_para
 
     if ROT < DIM:  # the dimensions RoPE leaves alone: scaled only
         r = ROT + tl.arange(0, REST_P2)[None, :]
-        rest = (heads < HEADS) & (r < DIM)
+        rest = present & (r < DIM)
         kept = _row(key_row, heads, r, rest, bits, fp8, key_params, DIM, DIM)
         if SCALED:
             kept = _bf16(kept * scale)
         tl.store(out + heads * stride_head + r, kept.to(tl.bfloat16), mask=rest)
 
     v = tl.arange(0, DIM_P2)[None, :]
-    row = (heads < HEADS) & (v < DIM)
+    row = present & (v < DIM)
     tl.store(out + heads * stride_head + DIM + v,
              _row(value_row, heads, v, row, bits, fp8, value_params, 1, DIM).to(tl.bfloat16),
              mask=row)

@@ -1,6 +1,6 @@
 """Fused injection into vLLM's paged cache: one pass instead of three.
 
-The portable chain (``kvchain.py``) copies the facts' K/V into a staging buffer, rotates the
+The portable chain (``chain.py``) copies the facts' K/V into a staging buffer, rotates the
 keys in place with vLLM's rotary kernel and writes each layer with the attention backend's cache
 update: three passes over the K/V (~52 MB at k = 50 on SmolLM2-135M, ~290 MB on an 8B model) and,
 on a GPU, a kernel launch per layer. A fused writer reads each stored row once, rotates and
@@ -34,7 +34,7 @@ from inferscale.contracts.kv_format import (
     as_piece,
     quantize,
 )
-from inferscale.kv.chain import to_device
+from inferscale.kv.chain import SKIP, LayerSlots, to_device
 from inferscale.kv.rope import ChunkedRope
 
 _fused_cpu: ModuleType | None
@@ -50,7 +50,7 @@ except ImportError:  # no Triton: the portable path only
 
 log = logging.getLogger("inferscale.kv.fused")
 # (pieces, positions, slots, scales, caches): the portable chain into ``caches`` (one per layer)
-ChainWrite = Callable[[list[PieceLike], torch.Tensor, torch.Tensor, torch.Tensor,
+ChainWrite = Callable[[list[PieceLike], torch.Tensor, LayerSlots, torch.Tensor,
                        list[torch.Tensor]], object]
 # vLLM CPU attention's ISA -> the cache layout the kernel writes (its LAYOUT_* constants)
 LAYOUTS = {"amx": 0, "vec": 1}
@@ -100,14 +100,15 @@ class _FusedWriter:
                 and cos_sin.dtype == torch.bfloat16 and cos_sin.device.type == self.device_type
                 and cos_sin.dim() == 2 and cos_sin.shape[1] == self._rotary_dim)
 
-    def _tables(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
-                scales: torch.Tensor | None, caches: Sequence[torch.Tensor]
-                ) -> dict[str, Any] | None:
+    def _tables(self, pieces: Sequence[PieceLike], positions: torch.Tensor,
+                slots: torch.Tensor | LayerSlots, scales: torch.Tensor | None,
+                caches: Sequence[torch.Tensor]) -> dict[str, Any] | None:
         """Check the request against the caches and build, on the host, per token: the
         addresses of its stored K and V rows of layer 0, its blob's layer stride (row
         elements), its rows' bits (16: bf16, else codes) and whether its codes are fp8, with
-        the addresses of its params, its position and slot; then the scales and the caches'
-        addresses. None: no tokens.
+        the addresses of its params and its position; then its slot per group of layers
+        (``SKIP``: not written) and each layer's group, the scales and the caches' addresses.
+        None: no tokens.
         Raises ValueError for anything the kernel cannot take as it is."""
         stored = [as_piece(piece) for piece in pieces]
         layers, _, heads, dim = stored[0].shape
@@ -120,15 +121,19 @@ class _FusedWriter:
             raise ValueError("fused KV write: caches do not match the pieces")
         for piece in stored:
             self._check_piece(piece, (layers, heads, dim))
-        if positions.numel() != tokens or slots.numel() != tokens:
+        layer_slots = LayerSlots.of(slots, layers)
+        table, groups = layer_slots.table, layer_slots.groups
+        if positions.numel() != tokens or table.dim() != 2 or layer_slots.tokens != tokens:
             raise ValueError("fused KV write: positions and slots must have one per token")
-        if positions.device.type != "cpu" or slots.device.type != "cpu":
+        if groups.shape != (layers,) or bool(((groups < 0) | (groups >= table.shape[0])).any()):
+            raise ValueError("fused KV write: every layer needs a row of the slot table")
+        if positions.device.type != "cpu" or table.device.type != "cpu":
             raise ValueError("fused KV write: positions and slots are checked on the host")
         if tokens == 0:
             return None
         if int(positions.min()) < 0 or int(positions.max()) >= self._rope.max_position:
             raise ValueError("fused KV write: a position lies outside the RoPE table")
-        if int(slots.min()) < 0 or int(slots.max()) >= blocks * block_size:
+        if int(table.min()) < SKIP or int(table.max()) >= blocks * block_size:
             raise ValueError("fused KV write: a slot lies outside the cache")
         if scales is not None and scales.shape != (layers, tokens):
             raise ValueError("fused KV write: scales must be [layers, tokens]")
@@ -158,7 +163,8 @@ class _FusedWriter:
             "v_params": rows(v_params),
             "v_params_strides": per_token([0 if p is None else p.stride(0) for p in v_params]),
             "positions": positions.to(torch.int64).contiguous(),
-            "slots": slots.to(torch.int64).contiguous(),
+            "slots": table.to(torch.int64).contiguous().flatten(),
+            "groups": groups.to(torch.int64).contiguous(),
             "scales": None if scales is None else scales.to(torch.bfloat16).contiguous(),
             "caches": _pointers(caches)}
 
@@ -217,12 +223,13 @@ class FusedCpuWriter(_FusedWriter):
         writer = cls(LAYOUTS[isa], rope)
         return writer if writer._takes(layers, num_layers) else None
 
-    def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
-              scales: torch.Tensor | None, caches: Sequence[torch.Tensor]) -> None:
-        """Write the pieces' tokens, in order, at ``slots`` with keys rotated to ``positions``
-        and multiplied by ``scales [layers, tokens]`` (None: unscaled), coded rows dequantised;
-        ``caches[i]`` is layer i's. Raises ValueError for anything the kernel cannot take as
-        it is."""
+    def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor,
+              slots: torch.Tensor | LayerSlots, scales: torch.Tensor | None,
+              caches: Sequence[torch.Tensor]) -> None:
+        """Write the pieces' tokens, in order, at ``slots`` (one per token for every layer, or
+        ``LayerSlots``) with keys rotated to ``positions`` and multiplied by
+        ``scales [layers, tokens]`` (None: unscaled), coded rows dequantised; ``caches[i]`` is
+        layer i's. Raises ValueError for anything the kernel cannot take as it is."""
         t = self._tables(pieces, positions, slots, scales, caches)
         if t is None:
             return
@@ -232,7 +239,7 @@ class FusedCpuWriter(_FusedWriter):
                         t["values"].data_ptr(), t["strides"].data_ptr(), t["bits"].data_ptr(),
                         t["fp8"].data_ptr(), t["k_params"].data_ptr(), t["v_params"].data_ptr(),
                         t["v_params_strides"].data_ptr(), t["slots"].data_ptr(),
-                        t["positions"].data_ptr(),
+                        t["groups"].data_ptr(), t["positions"].data_ptr(),
                         self._cos_sin.data_ptr(), self._layer_rows.data_ptr(),
                         0 if t["scales"] is None else t["scales"].data_ptr(),
                         t["caches"].data_ptr())
@@ -274,16 +281,17 @@ class FusedTritonWriter(_FusedWriter):
         return [writer for writer in cls.roundings(rope)
                 if writer._takes(layers, num_layers)]
 
-    def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor, slots: torch.Tensor,
-              scales: torch.Tensor | None, caches: Sequence[torch.Tensor]) -> None:
+    def write(self, pieces: Sequence[PieceLike], positions: torch.Tensor,
+              slots: torch.Tensor | LayerSlots, scales: torch.Tensor | None,
+              caches: Sequence[torch.Tensor]) -> None:
         """As ``FusedCpuWriter.write``; positions, slots and scales on the host."""
         t = self._tables(pieces, positions, slots, scales, caches)
         if t is None:
             return
         tokens, layers = t["tokens"], t["layers"]
         per_token = ("keys", "values", "strides", "bits", "fp8", "k_params", "v_params",
-                     "v_params_strides", "positions", "slots")
-        ints = torch.cat([t[name] for name in (*per_token, "caches")])
+                     "v_params_strides", "positions")
+        ints = torch.cat([t[name] for name in (*per_token, "caches", "groups", "slots")])
         scaled = t["scales"] is not None
         packed = to_device(torch.cat([ints.view(torch.uint8)] + (
             [t["scales"].flatten().view(torch.uint8)] if scaled else [])), caches[0].device)
@@ -293,8 +301,11 @@ class FusedTritonWriter(_FusedWriter):
         heads, dim, rotary = t["heads"], t["dim"], self._rotary_dim
         stride_block, stride_head, stride_slot = caches[0].stride()[:3]
         assert _fused_triton is not None  # writers are used only where Triton imports
+        caches_at = len(per_token) * tokens
+        slots_at = caches_at + 2 * layers
         _fused_triton.inject_kernel[(tokens, layers)](
-            *tables, self._cos_sin, scales, on_device[len(per_token) * tokens:],
+            *tables, on_device[slots_at:], on_device[caches_at + layers:slots_at],
+            self._cos_sin, scales, on_device[caches_at:caches_at + layers],
             self._rope.layer_rows, tokens,
             t["block_size"], stride_block, stride_head, stride_slot, HEADS=heads, DIM=dim,
             ROT=rotary, HEADS_P2=_pow2(heads), HALF_P2=_pow2(rotary // 2),
@@ -314,7 +325,9 @@ def writes_like(writer: FusedCpuWriter | FusedTritonWriter, chain: ChainWrite,
                 kv_shape: tuple[int, int, int], block_size: int) -> bool:
     """Both write random pieces (bf16 rows, one not starting at its blob's first token, and
     int4, int8 and fp8 codes), scaled, at positions across block boundaries, into two small caches
-    on the writer's device: same bits? ``kv_shape``: (layers, KV heads, head_dim)."""
+    on the writer's device, every other layer in a second group of layers that keeps no block
+    for the first block's positions (a sliding window): same bits? ``kv_shape``: (layers, KV
+    heads, head_dim)."""
     gen = torch.Generator().manual_seed(0)
     num_layers, heads, dim = kv_shape
     device, dtype = writer._cos_sin.device, torch.bfloat16
@@ -329,8 +342,11 @@ def writes_like(writer: FusedCpuWriter | FusedTritonWriter, chain: ChainWrite,
     tokens = 10 + block_size
     positions = torch.arange(3, 3 + tokens)
     blocks = (3 + tokens) // block_size + 1
-    order = torch.randperm(blocks, generator=gen)
-    slots = order[positions // block_size] * block_size + positions % block_size
+    groups = min(num_layers, 2)
+    table = torch.stack([torch.randperm(blocks, generator=gen)[positions // block_size]
+                         * block_size + positions % block_size for _ in range(groups)])
+    table[groups - 1, positions < block_size] = SKIP
+    slots = LayerSlots(table, torch.arange(num_layers) % groups)
     scales = (torch.rand(num_layers, tokens, generator=gen) + 0.5).to(dtype)
     caches = [[torch.zeros((blocks, heads, block_size, 2 * dim), dtype=dtype, device=device)
                for _ in range(num_layers)] for _ in range(2)]

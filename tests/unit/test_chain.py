@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcases import kv_case
+from kvcases import kv_case, window_slots
 from transformers import LlamaConfig
 
-from inferscale.kv.chain import ChainWriter, to_device
+from inferscale.kv.chain import ChainWriter, LayerSlots, to_device
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.rope import ChunkedRope
 from inferscale.kv.store import KVStore
@@ -66,26 +66,35 @@ def _case(gen, layers, heads, dim, lengths, skips, start, block_size, device="cp
 @settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), data=st.data(),
        start=st.integers(0, 40), block_size=st.sampled_from([1, 16, 128]),
-       scaled=st.booleans())
+       scaled=st.booleans(), window=st.none() | st.integers(1, 60))
 def test_the_chain_writes_each_token_rotated_at_its_slot(lengths, data, start, block_size,
-                                                         scaled):
-    """Token t of the concatenated pieces lands at slot ``slots[t]`` of every layer: its key
-    rotated to ``positions[t]`` (times its scale), its value as stored; nothing else moves."""
+                                                         scaled, window):
+    """Token t of the concatenated pieces lands at its slot in every layer (one slot per
+    token for all layers, or a slot table per group of layers whose sliding group skips the
+    blocks before its window): its key rotated to ``positions[t]`` (times its scale), its
+    value as stored; nothing else moves."""
     skips = data.draw(st.lists(st.integers(0, 3), min_size=len(lengths), max_size=len(lengths)))
     gen = torch.Generator().manual_seed(sum(lengths) + start)
     rope = _rope()
     pieces, positions, slots, scales, caches = _case(gen, 2, 2, 32, lengths, skips, start,
                                                      block_size)
+    if window is not None:
+        slots = window_slots(gen, positions, block_size, caches[0].shape[0], 2, window)
     scales = scales if scaled else None
     stages = ChainWriter(rope).write(pieces, positions, slots, scales, flash_update(caches))
     assert set(stages) == {"gather", "rope", "cache_write"}
     keys = rope.rotate(torch.cat([k for k, _ in pieces], dim=1), positions, scales)
     values = torch.cat([v for _, v in pieces], dim=1)
+    layer_slots = LayerSlots.of(slots, 2)
     for layer, cache in enumerate(caches):
+        row = layer_slots.table[layer_slots.groups[layer]]
+        kept = row >= 0
+        assert window is not None or kept.all()
         tokens = cache.transpose(1, 2).flatten(0, 1)  # [slots, heads, 2 * head_dim]
-        assert torch.equal(tokens[slots], torch.cat([keys[layer], values[layer]], dim=-1))
+        assert torch.equal(tokens[row[kept]], torch.cat([keys[layer], values[layer]],
+                                                        dim=-1)[kept])
         untouched = torch.ones(tokens.shape[0], dtype=torch.bool)
-        untouched[slots] = False
+        untouched[row[kept]] = False
         assert not tokens[untouched].any()
 
 

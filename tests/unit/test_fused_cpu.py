@@ -11,11 +11,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcases import every_e4m3_code, kv_case, rope_config
+from kvcases import every_e4m3_code, kv_case, rope_config, window_slots
 from vllm import _custom_ops as ops
 
 from inferscale.contracts.kv_format import FORMATS, as_piece
 from inferscale.kv import fused as kvwrite
+from inferscale.kv.chain import LayerSlots
 from inferscale.kv.fused import LAYOUTS, FusedCpuWriter
 from inferscale.kv.rope import ChunkedRope
 
@@ -56,8 +57,12 @@ def _chain(pieces, positions, slots, scales, caches, rope, isa):
     k = torch.cat([row[0] for row in rows], dim=1)
     v = torch.cat([row[1] for row in rows], dim=1)
     rope.rotate_(k, positions, scales)
+    layer_slots = LayerSlots.of(slots, len(caches))
     for layer, cache in enumerate(caches):
-        _CpuImpl().do_kv_cache_update(SimpleNamespace(isa=isa), k[layer], v[layer], cache, slots)
+        row = layer_slots.table[layer_slots.groups[layer]]
+        kept = row >= 0
+        _CpuImpl().do_kv_cache_update(SimpleNamespace(isa=isa), k[layer, kept], v[layer, kept],
+                                      cache, row[kept])
 
 
 @needs_kernel
@@ -68,11 +73,13 @@ def _chain(pieces, positions, slots, scales, caches, rope, isa):
        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
        start=st.integers(0, 300), scaled=st.booleans(), seed=st.integers(0, 2**16),
        formats=st.none() | st.lists(st.sampled_from(sorted(FORMATS)), min_size=4, max_size=4),
-       per_layer=st.booleans())
+       per_layer=st.booleans(), window=st.none() | st.integers(1, 200))
 def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_size, lengths,
-                                                start, scaled, seed, formats, per_layer):
+                                                start, scaled, seed, formats, per_layer, window):
     """Raw rows and every coded format, mixed in one write (a store may hold several); one
-    RoPE table for all layers or one per layer type."""
+    RoPE table for all layers or one per layer type; one slot per token for every layer, or
+    a slot table per group of layers whose sliding group skips the blocks before its
+    window."""
     gen = torch.Generator().manual_seed(seed)
     layers = 3
     skips = torch.randint(0, 4, (len(lengths),), generator=gen).tolist()
@@ -80,6 +87,8 @@ def test_fused_write_is_bit_equal_to_the_chain(isa, heads, dim, partial, block_s
                                                     lengths, skips, start, scaled,
                                                     formats=formats and formats[:len(lengths)])
     rope = _rope(layers, heads, dim, partial, per_layer)
+    if window is not None:
+        slots = window_slots(gen, positions, block_size, shape[0], layers, window)
     ours = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
     theirs = [torch.zeros(shape, dtype=BF16) for _ in range(layers)]
     FusedCpuWriter(LAYOUTS[isa], rope).write(
@@ -119,7 +128,9 @@ def _writer_and_case(**overrides):
 @needs_kernel
 @pytest.mark.parametrize("hostile", [
     {"slots": torch.arange(14) + 10_000},                       # outside the cache
-    {"slots": torch.arange(14) - 1},                            # negative slot
+    {"slots": torch.arange(14) - 2},                            # negative slot
+    {"slots": LayerSlots(torch.arange(14)[None], torch.tensor([0, 1]))},  # a group missing
+    {"slots": LayerSlots(torch.arange(14)[None], torch.tensor([0]))},  # a layer's group missing
     {"positions": torch.arange(14) + 4090},                     # beyond the RoPE table
     {"slots": torch.arange(13)},                                # one slot short
     {"scales": torch.ones(2, 13, dtype=BF16)},                  # scales for other tokens

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcases import every_e4m3_code, kv_case, rope_config
+from kvcases import every_e4m3_code, kv_case, rope_config, window_slots
 
 from inferscale.contracts.kv_format import FORMATS
 from inferscale.kv.chain import ChainWriter
@@ -53,16 +53,20 @@ def _zeros(shape):
        lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), start=st.integers(0, 30),
        block_size=st.sampled_from([1, 16]), scaled=st.booleans(), seed=st.integers(0, 99),
        formats=st.none() | st.lists(st.sampled_from(sorted(FORMATS)), min_size=3, max_size=3),
-       per_layer=st.booleans())
+       per_layer=st.booleans(), window=st.none() | st.integers(1, 40))
 def test_the_triton_writer_writes_the_chains_bits(heads, dim, partial, lengths, start,
-                                                  block_size, scaled, seed, formats, per_layer):
+                                                  block_size, scaled, seed, formats, per_layer,
+                                                  window):
     """Raw rows and every coded format, mixed in one write; one RoPE table for both layers
-    or one each."""
+    or one each; one slot per token for both layers, or a slot table per group of layers
+    whose sliding group skips the blocks before its window."""
     gen = torch.Generator().manual_seed(seed)
     skips = [seed % 3] * len(lengths)
     pieces, positions, slots, scales, shape = _case(gen, heads, dim, lengths, skips, start,
                                                     block_size, scaled,
                                                     formats and formats[:len(lengths)])
+    if window is not None:
+        slots = window_slots(gen, positions, block_size, shape[0], 2, window)
     kernels = [False, True] if _rope(1, 32, 1.0, True)._kernel is not None else [False]
     for vllm_kernel in kernels:  # torch's bf16 ops round each op; vLLM's CPU kernel once
         rope = _rope(heads, dim, partial, vllm_kernel, per_layer)
