@@ -1,19 +1,18 @@
 """The fused KV write as one Triton kernel, for vLLM's CUDA paged cache (``fused.py``).
 
-One program per (token, layer): read the token's stored key and value rows of that layer
-(through a table of row addresses, so the facts' blobs are read where they lie), rotate the key
-to the token's position with the layer's cos|sin table (and scale it) and store both in the
-layer's block layout ``[blocks, heads, block_size, 2 * head_dim]`` (K in the first half of the
-last dimension, V in the second), at the token's slot in the layer's group (none: the group keeps
-no block there, outside a sliding window; the program stores nothing). Rounding follows one of two rotary
-kernels, as the chain rounds with it: ``ROUND_ONCE`` each rotated element computed in fp32 and
-rounded to bf16 once (vLLM's CPU kernel), else every product and sum rounded to bf16 (torch's
-bf16 ops; c10's BFloat16 arithmetic rounds so too). Products of two bf16 values are exact in
-fp32, so neither depends on fused multiply-adds. Values reach memory only as bf16 values
-exactly, so the final casts round nothing. A token whose rows are codes (``bits`` < 16,
-``kv_format.py``) is dequantised as it is read: value(code) * scale + zero in fp32 (an exact
-product), rounded to bf16, where an integer code's value is the integer and an fp8 code's its
-e4m3 number.
+One program per (token, layer): read the token's stored key and value rows of that layer (through a
+table of row addresses, so the facts' blobs are read where they lie), rotate the key to the token's
+position with the layer's cos|sin table (and scale it) and store both in the layer's block layout
+``[blocks, heads, block_size, 2 * head_dim]`` (K in the first half of the last dimension, V in the
+second), at the token's slot in the layer's group (none: the group keeps no block there, outside a
+sliding window; the program stores nothing). Rounding follows one of two rotary kernels, as the
+chain rounds with it: ``ROUND_ONCE`` each rotated element computed in fp32 and rounded to bf16 once
+(vLLM's CPU kernel), else every product and sum rounded to bf16 (torch's bf16 ops; c10's BFloat16
+arithmetic rounds so too). Products of two bf16 values are exact in fp32, so neither depends on
+fused multiply-adds. Values reach memory only as bf16 values exactly, so the final casts round
+nothing. A token whose rows are codes (``bits`` < 16, ``kv_format.py``) is dequantised as it is
+read: value(code) * scale + zero in fp32 (an exact product), rounded to bf16, where an integer
+code's value is the integer and an fp8 code's its e4m3 number.
 """
 
 from __future__ import annotations
