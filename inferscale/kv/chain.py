@@ -47,7 +47,7 @@ class LayerSlots:
 
     @property
     def tokens(self) -> int:
-        return self.table.shape[1]
+        return int(self.table.shape[1])
 
     def written(self) -> list[torch.Tensor | None]:
         """Per group, the tokens it writes (indices), or None where it writes every one."""

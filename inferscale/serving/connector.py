@@ -10,6 +10,11 @@ span of a request whose signed plan checks out; the worker half (``connector_wor
 Worker) pages that KV in and writes it into the request's blocks. They share nothing but the
 per-step metadata (ids and positions). EngineCore dies on any exception from a hook, so
 ``_never_raises`` answers "compute normally" instead.
+
+It supports vLLM's hybrid KV cache manager (``SupportsHMA``), which keeps a sliding-window
+layer's blocks only inside its window: with several KV cache groups, loads are asynchronous
+(failures are reported per request, which is all vLLM takes then) and the rows vLLM keeps no
+block for are not written.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from inferscale.contracts.fingerprint import model_fingerprint
@@ -32,7 +39,7 @@ from inferscale.kv.rope import ChunkedRope, model_head_dim
 from inferscale.kv.store import KVStore
 from inferscale.platform.settings import Settings, get_settings
 from inferscale.serving.connector_scheduler import ConnectorScheduler, InferScaleMetadata
-from inferscale.serving.connector_worker import ConnectorWorker
+from inferscale.serving.connector_worker import ConnectorWorker, layer_groups
 from inferscale.serving.metrics import KV_METRICS
 
 if TYPE_CHECKING:
@@ -41,6 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("inferscale.serving.connector")
@@ -66,8 +74,8 @@ def _never_raises(fallback: Callable[..., Any]) -> Callable[[Hook], Hook]:
     return wrap
 
 
-def _worker_half(vllm_config: VllmConfig, settings: Settings,
-                 fingerprint: str) -> ConnectorWorker:
+def _worker_half(vllm_config: VllmConfig, settings: Settings, fingerprint: str,
+                 kv_cache_config: KVCacheConfig | None) -> ConnectorWorker:
     """The worker half for the served model, its memory tiers on the device it runs on."""
     model_config = vllm_config.model_config
     hf = model_config.hf_config
@@ -80,10 +88,11 @@ def _worker_half(vllm_config: VllmConfig, settings: Settings,
     log.info("key scales: %s", scales.source if scales else "none")
     kv_shape = (hf.num_hidden_layers, model_config.get_total_num_kv_heads(), model_head_dim(hf))
     return ConnectorWorker(store, rope, model_config.dtype, kv_shape,
-                           vllm_config.cache_config.block_size, scales)
+                           vllm_config.cache_config.block_size, scales,
+                           layer_groups(kv_cache_config, hf.num_hidden_layers))
 
 
-class InferScaleConnector(KVConnectorBase_V1):
+class InferScaleConnector(KVConnectorBase_V1, SupportsHMA):
     """Injects memory KV (preamble + facts) as an external prefix of the prompt."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -96,11 +105,13 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.WORKER:
-            self._worker = _worker_half(vllm_config, settings, fingerprint)
+            self._worker = _worker_half(vllm_config, settings, fingerprint, kv_cache_config)
         else:
-            self._scheduler = ConnectorScheduler(settings.plan_secret, fingerprint,
-                                                 KVStore.from_settings(settings, fingerprint,
-                                                                       host_bytes=0))
+            groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1
+            self._scheduler = ConnectorScheduler(
+                settings.plan_secret, fingerprint,
+                KVStore.from_settings(settings, fingerprint, host_bytes=0),
+                asynchronous=groups > 1)
 
     @property
     def scheduler(self) -> ConnectorScheduler:
@@ -143,6 +154,15 @@ class InferScaleConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request)
 
+    @_never_raises(lambda self, *_: (False, None))
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request)
+
+    @_never_raises(lambda self, *_: None)
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.transfers_failed(set(connector_output.failed_recving or ()))
+
     # --- worker side --------------------------------------------------------------------------
 
     def _fail_all_loads(self, *_: Any, **__: Any) -> None:
@@ -161,6 +181,14 @@ class InferScaleConnector(KVConnectorBase_V1):
     @_never_raises(lambda self: set())
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks()
+
+    def _nothing_received(self, *_: Any) -> KVConnectorTransferResults:
+        return KVConnectorTransferResults()
+
+    @_never_raises(_nothing_received)
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        received, failed = self.worker.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
     def purge(self, locations: list[str]) -> int:
         """Drop blobs from this worker's memory tiers (a forget or an update elsewhere)."""

@@ -5,6 +5,14 @@ tokens against the plan's digests and that its blob exists, and claims the memor
 (preamble + injected facts) minus the local prefix-cache hit, never the last prompt token (vLLM
 must compute one). Claims reach the worker half as per-step metadata: ids and positions only,
 never KV. Nothing here raises on a hostile plan: it claims nothing instead.
+
+Two ways to load, by the engine's KV cache groups. With one group, loads are synchronous: the
+worker writes before the forward pass of the step that prefills the request, and a failed
+load's blocks are recomputed. With several (vLLM's hybrid KV cache manager: a sliding-window
+model's local layers keep only their window's blocks), block ids no longer name one block, so
+vLLM takes failures only per request, from an asynchronous load: the request waits one engine
+step while the worker writes its KV (in the step that admits it), then prefills; a failed load
+makes vLLM recompute the request, and it is never claimed again.
 """
 
 from __future__ import annotations
@@ -35,15 +43,19 @@ PRESENT_MAX = 100_000
 
 @dataclass
 class LoadSpec:
-    """Positions ``[start, end)`` of one request to fill from ``segments`` into ``block_ids``;
-    ``key_scales``: the strength the facts' keys are scaled with (the plan's; 0: unscaled)."""
+    """Positions ``[start, end)`` of one request to fill from ``segments`` into its blocks,
+    ``block_ids[group]`` per KV cache group (block 0, vLLM's null block: none kept there);
+    ``key_scales``: the strength the facts' keys are scaled with (the plan's; 0: unscaled);
+    ``asynchronous``: reported done or failed per request (several groups), else failed per
+    block."""
 
     request_id: str
     start: int
     end: int
     segments: list[Segment]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
     key_scales: float = 0.0
+    asynchronous: bool = False
 
 
 @dataclass
@@ -56,13 +68,18 @@ class InferScaleMetadata(KVConnectorMetadata):
 class ConnectorScheduler:
     """Claims the memory span of requests whose plan checks out; one per EngineCore."""
 
-    def __init__(self, secret: str, fingerprint: str, store: KVStore) -> None:
-        """``store``: the durable tier is asked whether blobs exist (no memory tiers here)."""
+    def __init__(self, secret: str, fingerprint: str, store: KVStore,
+                 asynchronous: bool = False) -> None:
+        """``store``: the durable tier is asked whether blobs exist (no memory tiers here);
+        ``asynchronous``: load asynchronously (the engine has several KV cache groups)."""
         self.secret = secret
         self.fingerprint = fingerprint
         self.store = store
+        self.asynchronous = asynchronous
         self._pending: dict[str, LoadSpec] = {}  # claimed, blocks not yet scheduled
+        self._allocated: dict[str, LoadSpec] = {}  # asynchronous claims given their blocks
         self._claimed: dict[str, int] = {}  # request -> injected tokens, until it finishes
+        self._refused: set[str] = set()  # asynchronous loads that failed: never claimed again
         self._present: TTLCache[str, bool] = TTLCache(PRESENT_MAX, PRESENT_TTL_S)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -86,6 +103,8 @@ class ConnectorScheduler:
         return plan
 
     def _match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._refused:
+            return 0, False
         plan = self._plan_for(request)
         if plan is None:
             return 0, False
@@ -101,9 +120,10 @@ class ConnectorScheduler:
         end = segments[-1].end if segments else 0
         if end <= num_computed_tokens:
             return 0, False
-        self._pending[request.request_id] = LoadSpec(request.request_id, num_computed_tokens,
-                                                     end, segments, key_scales=plan.key_scales)
-        return end - num_computed_tokens, False
+        self._pending[request.request_id] = LoadSpec(
+            request.request_id, num_computed_tokens, end, segments,
+            key_scales=plan.key_scales, asynchronous=self.asynchronous)
+        return end - num_computed_tokens, self.asynchronous
 
     def _blob_present(self, name: str) -> bool:
         """Whether the durable blob ``name`` exists; positives are remembered (see above)."""
@@ -117,20 +137,25 @@ class ConnectorScheduler:
 
     def allocated(self, request: Request, blocks: KVCacheBlocks,
                   num_external_tokens: int) -> None:
-        """vLLM's ``update_state_after_alloc``: the claim's blocks (or its withdrawal)."""
+        """vLLM's ``update_state_after_alloc``: the claim's blocks (or its withdrawal). An
+        asynchronous claim's blocks are final here: its load goes out in this step."""
         spec = self._pending.get(request.request_id)
         if spec is None:
             return
         if num_external_tokens <= 0:
             del self._pending[request.request_id]
             return
-        spec.block_ids = list(blocks.get_block_ids()[0])
+        spec.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         self._claimed[request.request_id] = num_external_tokens
+        if spec.asynchronous:
+            self._allocated[request.request_id] = self._pending.pop(request.request_id)
 
     def step_metadata(self, scheduler_output: SchedulerOutput) -> InferScaleMetadata:
-        """vLLM's ``build_connector_meta``: the loads of the claims scheduled in this step
-        (new requests, or resumed ones with their new blocks)."""
-        meta = InferScaleMetadata()
+        """vLLM's ``build_connector_meta``: the loads of the asynchronous claims given their
+        blocks in this step, and of the synchronous claims scheduled in this step (new
+        requests, or resumed ones with their new blocks)."""
+        meta = InferScaleMetadata(loads=list(self._allocated.values()))
+        self._allocated.clear()
         scheduled = {r.req_id: r for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         resumed = {req_id: cached.new_block_ids[i] for i, req_id in enumerate(cached.req_ids)
@@ -138,19 +163,28 @@ class ConnectorScheduler:
         for req_id in list(self._pending):
             spec = self._pending[req_id]
             if req_id in scheduled:
-                spec.block_ids = list(scheduled[req_id].block_ids[0])
+                spec.block_ids = [list(ids) for ids in scheduled[req_id].block_ids]
             elif req_id in resumed and resumed[req_id] is not None:
-                spec.block_ids = list(resumed[req_id][0])
+                spec.block_ids = [list(ids) for ids in resumed[req_id]]
             else:
                 continue
             meta.loads.append(spec)
             del self._pending[req_id]
         return meta
 
+    def transfers_failed(self, request_ids: set[str]) -> None:
+        """vLLM's ``update_connector_output``: asynchronous loads the worker failed. vLLM
+        recomputes those requests; they are never claimed again and inject nothing."""
+        for request_id in request_ids:
+            self._refused.add(request_id)
+            self._claimed.pop(request_id, None)
+
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: blocks are freed at once; a planned request reports how
         many tokens were injected (``kv_transfer_params`` of the response)."""
         self._pending.pop(request.request_id, None)
+        self._allocated.pop(request.request_id, None)
+        self._refused.discard(request.request_id)
         injected = self._claimed.pop(request.request_id, 0)
         params = request.kv_transfer_params
         if not isinstance(params, dict) or PLAN_KEY not in params:

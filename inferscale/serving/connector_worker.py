@@ -7,7 +7,10 @@ key to its serving position (Chunked RoPE), scales the facts' keys where the pla
 a fused writer passed its probe (``kv/fused.py``), else with the portable chain
 (``kv/chain.py``: vLLM's rotary kernel and the attention backend's cache update). A blob that
 is missing, corrupt, made for another model or does not match the prompt fails only its
-request's blocks, which vLLM recomputes.
+request's blocks (its request, where loads are asynchronous), which vLLM recomputes. Under vLLM's
+hybrid KV cache manager each group of layers has its own blocks, so each token has a slot per
+group (``chain.LayerSlots``), and a sliding-window group's blocks before its window are vLLM's
+null block: those rows are not written.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from inferscale.contracts.kv_format import KVPiece, PieceLike
 from inferscale.contracts.plan import PREAMBLE
-from inferscale.kv.chain import ChainWriter
+from inferscale.kv.chain import SKIP, ChainWriter, LayerSlots
 from inferscale.kv.fused import FusedCpuWriter, FusedTritonWriter, first_exact, fused_writers
 from inferscale.kv.key_scales import KeyScales, key_factor
 from inferscale.kv.rope import ChunkedRope
@@ -32,9 +35,11 @@ from inferscale.serving.metrics import KV_METRICS
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger("inferscale.serving.connector")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+NULL_BLOCK = 0  # vLLM's null block: the id a group's table holds where it keeps no block
 _UNDECIDED = object()
 Piece = tuple[KVPiece, str]  # K/V as stored (raw rows or codes), its segment's name
 
@@ -44,19 +49,26 @@ class ConnectorWorker:
 
     def __init__(self, store: KVStore, rope: ChunkedRope, dtype: torch.dtype,
                  kv_shape: tuple[int, int, int], block_size: int,
-                 key_scales: KeyScales | None) -> None:
+                 key_scales: KeyScales | None, layer_groups: list[int] | None = None) -> None:
         """``kv_shape``: (layers, kv heads, head dim) of the served model, whose KV dtype is
-        ``dtype``; ``key_scales``: the fitted scales for the served model, if any."""
+        ``dtype``; ``key_scales``: the fitted scales for the served model, if any;
+        ``layer_groups``: each layer's KV cache group (None: one group)."""
         self.store = store
         self.rope = rope
         self.dtype = dtype
         self.kv_shape = kv_shape
         self.block_size = block_size
         self.key_scales = key_scales
+        self.layer_groups = torch.tensor(layer_groups or [0] * kv_shape[0], dtype=torch.int64)
+        if self.layer_groups.shape != (kv_shape[0],):
+            raise ValueError(f"{len(self.layer_groups)} layers in KV cache groups, "
+                             f"not the model's {kv_shape[0]}")
         self._chain = ChainWriter(rope)
         self._writer: Any = _UNDECIDED  # a fused writer or None, once the layers are known
         self._layers: list[tuple[int, Any]] | None = None
         self._failed_blocks: set[int] = set()
+        self._received: set[str] = set()  # asynchronous loads done or failed since last asked
+        self._failed_requests: set[str] = set()  # ... of which failed
 
     def load(self, loads: list[LoadSpec], forward_context: ForwardContext) -> None:
         """Page in every load's KV and write it, keys rotated to their positions (and the
@@ -75,18 +87,23 @@ class ConnectorWorker:
             except Exception as exc:  # noqa: BLE001 - any bad blob or spec: recompute it
                 log.warning("request %s: falling back to prefill: %s", spec.request_id, exc)
                 KV_METRICS.load_failures.labels(getattr(exc, "reason", "mismatch")).inc()
-                self._failed_blocks |= self._blocks_of(spec)
+                self.fail([spec])
                 continue
             pieces += [piece for piece, _ in spec_pieces]
             positions.append(spec_positions)
             slots.append(spec_slots)
             runs += self._scale_runs(spec, spec_pieces)
+            if spec.asynchronous:  # failed after this only by an exception, failing them all
+                self._received.add(spec.request_id)
         if not pieces:
             return
         layers = self._attention_layers(forward_context)
         scaled = any(run_scales is not None for run_scales, _ in runs)
         scales = key_factor(runs, self.kv_shape[0], dtype=pieces[0].dtype) if scaled else None
-        slot_mapping, all_positions = torch.cat(slots), torch.cat(positions)
+        slot_mapping = LayerSlots(torch.cat(slots, dim=1), self.layer_groups)
+        all_positions = torch.cat(positions)
+        skipped = (slot_mapping.table == SKIP).sum(1)
+        KV_METRICS.window_skipped_rows.inc(int(skipped[self.layer_groups].sum()))
         writer = self.fused_writer(layers)
         paged_in = time.perf_counter()
         if writer is None:
@@ -99,17 +116,29 @@ class ConnectorWorker:
             stages = {"gather": paged_in - started, "fused_write": time.perf_counter() - paged_in}
         for stage, seconds in stages.items():
             KV_METRICS.stage_seconds.labels(stage).observe(seconds)
-        KV_METRICS.injected_tokens.inc(len(slot_mapping))
+        KV_METRICS.injected_tokens.inc(len(all_positions))
 
     def fail(self, loads: list[LoadSpec]) -> None:
-        """Report every block of these loads failed (vLLM recomputes them)."""
+        """Report these loads failed (vLLM recomputes them): per request where asynchronous,
+        else every block."""
         for spec in loads:
-            self._failed_blocks |= self._blocks_of(spec)
+            if spec.asynchronous:
+                self._received.add(spec.request_id)
+                self._failed_requests.add(spec.request_id)
+            else:
+                self._failed_blocks |= self._blocks_of(spec)
 
     def take_failed_blocks(self) -> set[int]:
         """vLLM's ``get_block_ids_with_load_errors``: the failed blocks since the last call."""
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """The asynchronous loads done or failed since the last call, and those that failed
+        (vLLM's ``finished_recving`` and ``failed_recving``)."""
+        received, failed = self._received, self._failed_requests
+        self._received, self._failed_requests = set(), set()
+        return received, failed
 
     def purge(self, locations: list[str]) -> int:
         """Drop blobs from this worker's memory tiers (a forget or an update elsewhere)."""
@@ -125,7 +154,7 @@ class ConnectorWorker:
         on a probe, writes exactly what the portable chain writes (``fused.first_exact``)."""
         if self._writer is _UNDECIDED:
             def chain(pieces: list[PieceLike], positions: torch.Tensor,
-                      slots: torch.Tensor, scales: torch.Tensor | None,
+                      slots: LayerSlots, scales: torch.Tensor | None,
                       caches: list[torch.Tensor]) -> None:
                 self._chain.write(pieces, positions, slots, scales, _cache_update(layers, caches))
                 self._chain.release()
@@ -166,13 +195,23 @@ class ConnectorWorker:
         return pieces
 
     def _slots(self, spec: LoadSpec, positions: torch.Tensor) -> torch.Tensor:
-        blocks = torch.tensor(spec.block_ids, dtype=torch.long)
-        return blocks[positions // self.block_size] * self.block_size + (
-            positions % self.block_size)
+        """``[groups, tokens]``: each position's slot in each group's blocks (``SKIP`` in
+        the null block)."""
+        groups = int(self.layer_groups.max()) + 1
+        if len(spec.block_ids) != groups:
+            raise ValueError(f"{len(spec.block_ids)} block tables for {groups} KV cache groups")
+        rows = []
+        for group_blocks in spec.block_ids:
+            blocks = torch.tensor(group_blocks, dtype=torch.int64)[positions // self.block_size]
+            rows.append(torch.where(blocks == NULL_BLOCK, SKIP, blocks * self.block_size + (
+                positions % self.block_size)))
+        return torch.stack(rows)
 
     def _blocks_of(self, spec: LoadSpec) -> set[int]:
+        """The blocks of a synchronous load's positions (the null block is no one's)."""
         first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
-        return set(spec.block_ids[first:last + 1])
+        return {block for group_blocks in spec.block_ids
+                for block in group_blocks[first:last + 1]} - {NULL_BLOCK}
 
     def _attention_layers(self, forward_context: ForwardContext) -> list[tuple[int, Any]]:
         """(layer index, attention layer) pairs; the set is static, so it is found once."""
@@ -185,6 +224,20 @@ class ConnectorWorker:
                     layers.append((int(match.group(1)), layer))
             self._layers = layers
         return self._layers
+
+
+def layer_groups(kv_cache_config: KVCacheConfig | None, layers: int) -> list[int] | None:
+    """Each layer's KV cache group, by the index in its name (None: one group)."""
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
+        return None
+    groups: dict[int, int] = {}
+    for group, spec in enumerate(kv_cache_config.kv_cache_groups):
+        for name in spec.layer_names:
+            if (match := _LAYER_INDEX.search(name)) is not None:
+                groups[int(match.group(1))] = group
+    if sorted(groups) != list(range(layers)):
+        raise ValueError(f"KV cache groups cover layers {sorted(groups)}, not 0..{layers - 1}")
+    return [groups[layer] for layer in range(layers)]
 
 
 def _cache_update(layers: list[tuple[int, Any]], caches: list[torch.Tensor] | None = None

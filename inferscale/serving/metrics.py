@@ -16,6 +16,7 @@ class _KVMetrics:
     page_in_checks: Counter
     load_failures: Counter
     injected_tokens: Counter
+    window_skipped_rows: Counter
     inject_seconds: Histogram
     stage_seconds: Histogram
     hook_errors: Counter
@@ -32,6 +33,9 @@ KV_METRICS = _KVMetrics(
     load_failures=Counter("inferscale_kv_load_failures",
                           "Injections refused and recomputed by vLLM", ["reason"]),
     injected_tokens=Counter("inferscale_kv_injected_tokens", "Tokens written into vLLM's cache"),
+    window_skipped_rows=Counter("inferscale_kv_window_skipped_rows",
+                                "Injected K/V rows (a token of a layer) not written: before the "
+                                "window of a sliding-window layer, which vLLM keeps no block for"),
     inject_seconds=Histogram("inferscale_kv_inject_seconds", "Connector load time per step",
                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1)),
     stage_seconds=Histogram(

@@ -202,13 +202,14 @@ def test_caches_not_aligned_to_lines_are_written_alike():
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-def _worker_half(tmp_path, isa="amx"):
+def _worker_half(tmp_path, isa="amx", layer_groups=None):
     from inferscale.kv.durable import LocalDir
     from inferscale.kv.store import KVStore
     from inferscale.serving.connector_worker import ConnectorWorker
 
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
-    worker = ConnectorWorker(store, _rope(2, 2, 64, 1.0), BF16, (2, 2, 64), 32, None)
+    worker = ConnectorWorker(store, _rope(2, 2, 64, 1.0), BF16, (2, 2, 64), 32, None,
+                             layer_groups)
     layers = [(i, SimpleNamespace(isa=isa, impl=_CpuImpl(),
                                   kv_cache=torch.zeros(4, 2, 32, 128, dtype=BF16)))
               for i in range(2)]
@@ -241,3 +242,77 @@ def test_connector_keeps_the_portable_path_when_the_probe_cannot_run(monkeypatch
 
     monkeypatch.setattr(FusedCpuWriter, "write", broken)
     assert worker.fused_writer(layers) is None
+
+
+def _stored_fact(worker, name: str, tokens: int):
+    """A blob of ``tokens`` random bf16 tokens in the worker's store, and its segment."""
+    from inferscale.contracts.plan import Segment
+
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, tokens, 2, 64, generator=gen).to(BF16)
+    ids = list(range(100, 100 + tokens))
+    stored = worker.store.put(name, k, v, ids, window=0)
+    return (k, v), Segment.of(name, 0, ids, stored.checksum)
+
+
+@needs_kernel
+def test_a_group_keeps_no_block_before_its_window_and_nothing_is_written_there(tmp_path):
+    """Two KV cache groups (the hybrid manager): layer 0 full, layer 1 sliding, whose table
+    holds the null block (0) for the first block. Each layer is written at its own group's
+    slots, the sliding layer not at all before its window, the same bits as vLLM's ops; the
+    asynchronous load is reported received, and not failed."""
+    from inferscale.serving.connector_scheduler import LoadSpec
+
+    worker, layers = _worker_half(tmp_path, "vec", layer_groups=[0, 1])
+    kv, segment = _stored_fact(worker, "fact-a", 40)
+    spec = LoadSpec("req-a", 0, 40, [segment], block_ids=[[1, 2], [0, 3]], asynchronous=True)
+    worker.load([spec], SimpleNamespace(no_compile_layers=dict(
+        (f"model.layers.{i}.self_attn.attn", layer) for i, layer in layers)))
+    positions = torch.arange(40)
+    table = torch.stack([torch.tensor([1, 2])[positions // 32] * 32 + positions % 32,
+                         torch.where(positions < 32, -1, 3 * 32 + positions % 32)])
+    expected = [torch.zeros(4, 2, 32, 128, dtype=BF16) for _ in range(2)]
+    _chain([kv], positions, LayerSlots(table, torch.tensor([0, 1])), None, expected,
+           worker.rope, "vec")
+    assert all(torch.equal(layer.kv_cache, want)
+               for (_, layer), want in zip(layers, expected, strict=True))
+    assert layers[0][1].kv_cache[1:3].any() and not layers[1][1].kv_cache[:3].any()
+    assert layers[1][1].kv_cache[3].any()
+    assert worker.take_transfer_results() == ({"req-a"}, set())
+    assert worker.take_transfer_results() == (set(), set())  # reported once
+    assert worker.take_failed_blocks() == set()
+
+
+@needs_kernel
+def test_a_failed_load_is_reported_per_request_where_asynchronous_else_per_block(tmp_path):
+    """A blob that is not there: an asynchronous load is received and failed (vLLM takes only
+    request-level failures with several groups); a synchronous one fails its blocks, never
+    the null block."""
+    from inferscale.contracts.plan import Segment
+    from inferscale.serving.connector_scheduler import LoadSpec
+
+    worker, layers = _worker_half(tmp_path, "vec", layer_groups=[0, 1])
+    missing = Segment.of("fact-missing", 0, list(range(40)))
+    context = SimpleNamespace(no_compile_layers={})
+    worker.load([LoadSpec("req-b", 0, 40, [missing], block_ids=[[1, 2], [0, 3]],
+                          asynchronous=True)], context)
+    assert worker.take_transfer_results() == ({"req-b"}, {"req-b"})
+    assert worker.take_failed_blocks() == set()
+    worker.load([LoadSpec("req-c", 0, 40, [missing], block_ids=[[1, 2], [0, 3]])], context)
+    assert worker.take_failed_blocks() == {1, 2, 3}
+    assert worker.take_transfer_results() == (set(), set())
+    assert not any(layer.kv_cache.any() for _, layer in layers)
+
+
+def test_layers_are_mapped_to_their_kv_cache_groups_by_name():
+    from inferscale.serving.connector_worker import layer_groups
+
+    config = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(layer_names=["model.layers.2.self_attn.attn"]),
+        SimpleNamespace(layer_names=["model.layers.0.self_attn.attn",
+                                     "model.layers.1.self_attn.attn"])])
+    assert layer_groups(config, 3) == [1, 1, 0]
+    assert layer_groups(SimpleNamespace(kv_cache_groups=config.kv_cache_groups[:1]), 1) is None
+    assert layer_groups(None, 3) is None
+    with pytest.raises(ValueError, match="KV cache groups cover"):
+        layer_groups(config, 4)  # a layer in no group

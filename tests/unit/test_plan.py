@@ -102,13 +102,14 @@ def test_signed_malformed_plans_raise_plan_error_or_parse_typed(body):
         assert isinstance(segment.digest, str)
 
 
-def _scheduler(root):
+def _scheduler(root, asynchronous=False):
     """The connector's scheduler half without an engine, on an empty durable tier."""
     from inferscale.kv.durable import LocalDir
     from inferscale.kv.store import KVStore
     from inferscale.serving.connector_scheduler import ConnectorScheduler
 
-    return ConnectorScheduler(SECRET, "f" * 64, KVStore(LocalDir(root), "f" * 64, host_bytes=0))
+    return ConnectorScheduler(SECRET, "f" * 64, KVStore(LocalDir(root), "f" * 64, host_bytes=0),
+                              asynchronous)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +156,67 @@ def test_the_plan_check_asks_the_durable_tier_once_per_present_blob(tmp_path, mo
     assert scheduler_side.matched_tokens(request, 0) == (5, False)
     assert scheduler_side.matched_tokens(request, 0) == (5, False)
     assert len(asked) == 4
+
+
+def _planned(scheduler_side, request_id: str) -> SimpleNamespace:
+    """A request whose signed plan injects one stored 3-token fact before a 2-token question."""
+    import torch
+
+    kv = torch.zeros((2, 3, 1, 4), dtype=torch.bfloat16)
+    stored = scheduler_side.store.put("fact-1", kv, kv.clone(), [1, 2, 3], window=0)
+    plan = Plan("f" * 64, [Segment.of("fact-1", 0, [1, 2, 3], stored.checksum)])
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=[1, 2, 3, 4, 5],
+                           kv_transfer_params={PLAN_KEY: sign(plan, SECRET)})
+
+
+def _blocks(*groups: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: tuple(groups))
+
+
+def _step(new=(), block_ids=None) -> SimpleNamespace:
+    """A scheduler output scheduling the requests ``new`` (with ``block_ids``) for the first
+    time."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=block_ids) for r in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[]))
+
+
+def test_with_several_kv_cache_groups_a_claim_loads_asynchronously_once(tmp_path):
+    """The hybrid manager's path: the claim asks for an asynchronous load, whose spec (every
+    group's blocks) goes out in the step that allocates it, and not again when the request is
+    scheduled after the load."""
+    scheduler_side = _scheduler(tmp_path, asynchronous=True)
+    request = _planned(scheduler_side, "a")
+    assert scheduler_side.matched_tokens(request, 0) == (3, True)
+    scheduler_side.allocated(request, _blocks([5], [0]), 3)
+    loads = scheduler_side.step_metadata(_step()).loads
+    assert [(spec.request_id, spec.block_ids, spec.asynchronous) for spec in loads] == [
+        ("a", [[5], [0]], True)]
+    scheduler_side.allocated(request, _blocks([5], [0]), 0)  # after the load: more blocks
+    assert scheduler_side.step_metadata(_step(["a"], ([5], [0]))).loads == []
+    assert scheduler_side.finished(request) == (False, {"injected_tokens": 3})
+
+
+def test_a_failed_asynchronous_load_is_never_claimed_again(tmp_path):
+    """vLLM recomputes a request whose asynchronous load failed and asks the connector again:
+    it gets nothing, and reports no injected tokens."""
+    scheduler_side = _scheduler(tmp_path, asynchronous=True)
+    request = _planned(scheduler_side, "b")
+    assert scheduler_side.matched_tokens(request, 0) == (3, True)
+    scheduler_side.allocated(request, _blocks([5], [6]), 3)
+    assert len(scheduler_side.step_metadata(_step()).loads) == 1
+    scheduler_side.transfers_failed({"b"})
+    assert scheduler_side.matched_tokens(request, 0) == (0, False)
+    assert scheduler_side.finished(request) == (False, {"injected_tokens": 0})
+    assert scheduler_side.matched_tokens(request, 0) == (3, True)  # a new request, same id
+
+
+def test_with_one_group_a_claim_loads_in_the_step_that_schedules_it(tmp_path):
+    scheduler_side = _scheduler(tmp_path)
+    request = _planned(scheduler_side, "c")
+    assert scheduler_side.matched_tokens(request, 0) == (3, False)
+    scheduler_side.allocated(request, _blocks([7]), 3)
+    assert scheduler_side.step_metadata(_step()).loads == []  # not scheduled in this step
+    loads = scheduler_side.step_metadata(_step(["c"], ([7, 8],))).loads
+    assert [(spec.block_ids, spec.asynchronous) for spec in loads] == [([[7, 8]], False)]
