@@ -36,7 +36,7 @@ def _config(kind: str, common: dict[str, Any]):
     if kind == "qwen3":
         return tf.Qwen3Config(**common, head_dim=64, rope_parameters=_rope())
     if kind == "mistral":
-        return tf.MistralConfig(**common, head_dim=64, sliding_window=48,
+        return tf.MistralConfig(**common, head_dim=64, sliding_window=32,
                                 rope_parameters=_rope())
     if kind == "gemma3":
         kinds = ["sliding_attention", "sliding_attention", "full_attention"]

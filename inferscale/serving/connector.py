@@ -12,9 +12,8 @@ per-step metadata (ids and positions). EngineCore dies on any exception from a h
 ``_never_raises`` answers "compute normally" instead.
 
 It supports vLLM's hybrid KV cache manager (``SupportsHMA``), which keeps a sliding-window
-layer's blocks only inside its window: with several KV cache groups, loads are asynchronous
-(failures are reported per request, which is all vLLM takes then) and the rows vLLM keeps no
-block for are not written.
+layer's blocks only inside its window: the rows vLLM keeps no block for are not written, and
+loads are asynchronous wherever a failure could not be recomputed by block (``asynchronous``).
 """
 
 from __future__ import annotations
@@ -74,6 +73,20 @@ def _never_raises(fallback: Callable[..., Any]) -> Callable[[Hook], Hook]:
     return wrap
 
 
+def asynchronous(kv_cache_config: KVCacheConfig | None) -> bool:
+    """Whether loads must be asynchronous, failed per request: with several KV cache groups
+    vLLM cannot map a failed block id back to a request (it raises), and a sliding-window group
+    holds the null block before its window, over which vLLM would resume a recompute from the
+    first failed block. Synchronous only for one group of full attention."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if kv_cache_config is None:
+        return False
+    groups = kv_cache_config.kv_cache_groups
+    return len(groups) > 1 or not all(isinstance(group.kv_cache_spec, FullAttentionSpec)
+                                      for group in groups)
+
+
 def _worker_half(vllm_config: VllmConfig, settings: Settings, fingerprint: str,
                  kv_cache_config: KVCacheConfig | None) -> ConnectorWorker:
     """The worker half for the served model, its memory tiers on the device it runs on."""
@@ -107,11 +120,10 @@ class InferScaleConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER:
             self._worker = _worker_half(vllm_config, settings, fingerprint, kv_cache_config)
         else:
-            groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1
             self._scheduler = ConnectorScheduler(
                 settings.plan_secret, fingerprint,
                 KVStore.from_settings(settings, fingerprint, host_bytes=0),
-                asynchronous=groups > 1)
+                asynchronous(kv_cache_config))
 
     @property
     def scheduler(self) -> ConnectorScheduler:

@@ -6,13 +6,14 @@ tokens against the plan's digests and that its blob exists, and claims the memor
 must compute one). Claims reach the worker half as per-step metadata: ids and positions only,
 never KV. Nothing here raises on a hostile plan: it claims nothing instead.
 
-Two ways to load, by the engine's KV cache groups. With one group, loads are synchronous: the
-worker writes before the forward pass of the step that prefills the request, and a failed
-load's blocks are recomputed. With several (vLLM's hybrid KV cache manager: a sliding-window
-model's local layers keep only their window's blocks), block ids no longer name one block, so
-vLLM takes failures only per request, from an asynchronous load: the request waits one engine
-step while the worker writes its KV (in the step that admits it), then prefills; a failed load
-makes vLLM recompute the request, and it is never claimed again.
+Two ways to load, by the engine's KV cache groups (``connector.asynchronous``). With one group
+of full attention, loads are synchronous: the worker writes before the forward pass of the step
+that prefills the request, and a failed load's blocks are recomputed. Otherwise (vLLM's hybrid
+KV cache manager, or a sliding window: local layers keep only their window's blocks) a failed
+block cannot be recomputed by block, so failures are taken per request, from an asynchronous
+load: the request waits one engine step while the worker writes its KV (in the step that admits
+it), then prefills; a failed load makes vLLM recompute the whole request, which is never claimed
+again.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ class LoadSpec:
     """Positions ``[start, end)`` of one request to fill from ``segments`` into its blocks,
     ``block_ids[group]`` per KV cache group (block 0, vLLM's null block: none kept there);
     ``key_scales``: the strength the facts' keys are scaled with (the plan's; 0: unscaled);
-    ``asynchronous``: reported done or failed per request (several groups), else failed per
-    block."""
+    ``asynchronous``: reported done or failed per request, else failed per block."""
 
     request_id: str
     start: int
@@ -71,7 +71,7 @@ class ConnectorScheduler:
     def __init__(self, secret: str, fingerprint: str, store: KVStore,
                  asynchronous: bool = False) -> None:
         """``store``: the durable tier is asked whether blobs exist (no memory tiers here);
-        ``asynchronous``: load asynchronously (the engine has several KV cache groups)."""
+        ``asynchronous``: load asynchronously (``connector.asynchronous``)."""
         self.secret = secret
         self.fingerprint = fingerprint
         self.store = store

@@ -10,15 +10,17 @@ greedy tokens and top logprobs within 1e-4; a poisoned blob (valid checksum, wro
 not. Windows are shorter than the prompts, so a sliding layer that saw the wrong tokens at
 encode or at serving time would show; with 32-token blocks vLLM's hybrid KV cache manager keeps
 no block before a sliding layer's window, and the connector writes no rows there (Gemma 3: two
-KV cache groups, loaded asynchronously; Mistral: one sliding group). One memory, encoded for every family in turn by its own
-worker, is injected by each family's server with its own model's KV, none of the others' lost.
+KV cache groups; Mistral: one sliding group; both load asynchronously). A damaged blob fails its
+load, and the request is recomputed: text prefill's answer. One memory, encoded for every family
+in turn by its own worker, is injected by each family's server with its own model's KV, none of
+the others' lost.
 """
 
 import uuid
 
 import pytest
 import torch
-from kvrows import set_kv
+from kvrows import set_kv, with_kv
 from sqlalchemy import select
 
 from conftest import running_server
@@ -34,7 +36,8 @@ from workers.encode import EncodeWorker
 pytestmark = pytest.mark.slow
 FAMILIES = [kind for kind in KINDS if kind != "llama"]
 QUESTION = "What does Sam do for a living?"
-FACT = "I am a marine biologist at the city aquarium."
+FACT = ("I am a marine biologist at the city aquarium, where I have studied how sea turtles "
+        "find their way along the northern coast for eleven years.")
 EXACT = {"logprobs": True, "top_logprobs": 5, "max_tokens": 8, "key_scales": False}
 
 
@@ -100,6 +103,24 @@ async def test_injected_memory_answers_exactly_as_text_prefill(family, settings,
     bad = server.chat(poisoned, QUESTION, k=1, **EXACT)
     assert bad.headers["x-inferscale-facts-injected"] == "1"
     assert max_logprob_diff(tokens_and_logprobs(bad)[1], logprobs_t) > 1e-2
+
+    # A blob whose bytes are damaged fails its load: vLLM recomputes the request (per request
+    # where loads are asynchronous, under the hybrid manager), which answers as text prefill.
+    damaged = await user_with_the_fact()
+    async with engine.connect() as conn:
+        location = (await conn.execute(with_kv(store.fingerprint, fact_kv.c.kv_location).where(
+            facts.c.user_id == damaged))).scalar_one()
+    path = store.durable.root / location
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0x55
+    path.write_bytes(bytes(raw))
+    failures = metric(server, "inferscale_kv_load_failures_total")
+    recomputed = server.chat(damaged, QUESTION, k=1, **EXACT)
+    assert metric(server, "inferscale_kv_load_failures_total") == failures + 1
+    as_text = server.chat(damaged, QUESTION, k=1, mode="text", **EXACT)
+    tokens_r, logprobs_r = tokens_and_logprobs(recomputed)
+    assert tokens_r == tokens_and_logprobs(as_text)[0]
+    assert max_logprob_diff(logprobs_r, tokens_and_logprobs(as_text)[1]) < 1e-4
 
 
 @pytest.fixture(scope="module")
