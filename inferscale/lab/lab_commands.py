@@ -24,6 +24,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.lab.bench import ttft
 
         ttft.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
+    elif args.which == "hybrid":
+        from inferscale.lab.bench import hybrid
+
+        hybrid.run(settings, data, out, n_queries=args.n, ks=tuple(args.k))
     elif args.which == "throughput":
         from inferscale.lab.bench import throughput
 
@@ -134,16 +138,16 @@ def _calibrate(args: argparse.Namespace, settings: Settings) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this group's subcommands."""
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
-    p.add_argument("which", choices=["encode", "ttft", "throughput", "ingest", "freshness",
-                                            "load", "extract", "retrieval",
-                                            "pagein", "inject", "cost", "memory-api"])
+    p.add_argument("which", choices=["encode", "ttft", "hybrid", "throughput", "ingest",
+                                     "freshness", "load", "extract", "retrieval", "pagein",
+                                     "inject", "cost", "memory-api"])
     p.add_argument("--data", default=str(SAMPLE),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
     p.add_argument("-n", type=int, default=20,
                    help="facts / queries / turns (extract) per configuration")
     p.add_argument("--k", type=int, nargs="+", default=[0, 5, 10, 20, 50],
-                   help="ttft, retrieval, pagein, inject: facts retrieved per question")
+                   help="ttft, hybrid, retrieval, pagein, inject: facts retrieved per question")
     p.add_argument("--shape", default="served",
                    choices=["served", "llama-3.1-8b", "qwen3-8b", "gemma-3-12b"],
                    help="inject: K/V and model shapes (random values): the served model's or "

@@ -106,6 +106,9 @@ async def measure(url: str, user: str, questions: list[str], ks: list[int],
                     "injected_tokens": statistics.median(
                         int(r.headers.get("x-inferscale-injected-tokens", 0)) for r in results),
                     "computed_tokens": computed_tokens(pairs),
+                    # K/V rows (a token of a layer) not written: before a sliding window
+                    "window_skipped_rows": _delta(pairs, "inferscale_kv_window_skipped_rows_total")
+                    / len(pairs),
                     # durable page-ins per request: content hashed, or a file version hashed
                     # before (by this server)
                     "page_in_checks": {check: _delta(pairs, "inferscale_kv_page_in_checks_total",
