@@ -12,8 +12,6 @@ window."""
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import gc
 import os
 import statistics
@@ -28,8 +26,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from inferscale.contracts.kv_format import FORMATS, RAW, KVPiece
+from inferscale.contracts.kv_format import FORMATS, RAW
 from inferscale.kv import fused
+from inferscale.kv.chain import SKIP, LayerSlots
 from inferscale.kv.durable import Alloc, Durable, LocalDir, Read, S3Objects
 from inferscale.kv.fused import LAYOUTS, FusedCpuWriter
 from inferscale.kv.model_family import attention_shape
@@ -68,23 +67,14 @@ def _timed_ms(write: Callable[[], None]) -> float:
     return statistics.median(samples[1:]) * 1e3
 
 
-def _layers_of(piece: KVPiece, layers: torch.Tensor) -> KVPiece:
-    """The rows (and params) of these layers of ``piece``, copied contiguous."""
-    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.index_select(0, layers).contiguous()
-
-    return dataclasses.replace(piece, k=pick(piece.k), v=pick(piece.v),
-                               k_params=pick(piece.k_params), v_params=pick(piece.v_params))
-
-
 def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]
               ) -> tuple[float | None, float | None]:
     """Median ms of the fused CPU write (rotate, scale, dequantise, store) of these blobs into
-    a paged cache of vLLM's "vec" layout, and (models with sliding windows) of the write a
-    connector that kept only the blocks inside each local layer's window would do: every token
-    in full-attention layers, the last ``window`` in sliding ones (what vLLM's hybrid KV cache
-    manager would allow, ``docs/results/models.md``). None where the kernel is not built or the
-    model has no windows."""
+    a paged cache of vLLM's "vec" layout, and (models with sliding windows) of the write the
+    connector does under vLLM's hybrid KV cache manager: every token in full-attention layers,
+    none before the last ``window`` in sliding ones (``chain.LayerSlots``,
+    ``docs/results/models.md``). None where the kernel is not built or the model has no
+    windows."""
     if not fused.available():
         return None, None
     rope = ChunkedRope(config, torch.bfloat16)
@@ -96,30 +86,16 @@ def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]
               for _ in range(layers)]
     positions = torch.arange(tokens)
     pieces = [blob.piece() for blob in blobs]
-    whole = _timed_ms(lambda: FusedCpuWriter(LAYOUTS["vec"], rope).write(
-        pieces, positions, positions, None, caches))
+    writer = FusedCpuWriter(LAYOUTS["vec"], rope)
+    whole = _timed_ms(lambda: writer.write(pieces, positions, positions, None, caches))
     windows = attention_shape(config).windows
     window = max((w for w in windows if w is not None), default=None)
     if window is None:
         return whole, None
-    writes = []
-    for local in (False, True):
-        chosen = torch.tensor([i for i, w in enumerate(windows) if (w is not None) == local])
-        sub_rope = copy.copy(rope)  # the chosen layers' tables
-        sub_rope.layer_rows = rope.layer_rows.index_select(0, chosen)
-        skip = max(tokens - window, 0) if local else 0
-        sub_pieces, left = [], skip
-        for piece in pieces:  # the tokens from ``skip`` on
-            if left < piece.tokens:
-                sub_pieces.append(_layers_of(piece, chosen).sliced(left))
-            left = max(left - piece.tokens, 0)
-        writes.append((FusedCpuWriter(LAYOUTS["vec"], sub_rope), sub_pieces,
-                       positions[skip:], [caches[i] for i in chosen.tolist()]))
-    def write_in_windows() -> None:
-        for writer, chosen_pieces, at, chosen_caches in writes:
-            writer.write(chosen_pieces, at, at, None, chosen_caches)
-
-    return whole, _timed_ms(write_in_windows)
+    in_window = torch.where(positions < tokens - window, SKIP, positions)
+    slots = LayerSlots(torch.stack([positions, in_window]),
+                       torch.tensor([int(w is not None) for w in windows]))
+    return whole, _timed_ms(lambda: writer.write(pieces, positions, slots, None, caches))
 
 
 def _page_in_s(store: KVStore, names: list[str], concurrent: bool) -> float:
