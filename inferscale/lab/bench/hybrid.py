@@ -12,9 +12,9 @@ import asyncio
 import re
 from pathlib import Path
 
-from inferscale.devstack.stack import server_process, worker_process
+from inferscale.devstack.stack import server_process
 from inferscale.lab.bench.common import print_table, write_report
-from inferscale.lab.bench.ttft import ingest_user, measure, prepare_user
+from inferscale.lab.bench.ttft import encoded_user, measure
 from inferscale.platform.settings import Settings
 
 MODES = ("text", "inject-m0", "prefix-hit")
@@ -31,12 +31,9 @@ def concurrency(log: Path) -> float | None:
 def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 10,
         ks: tuple[int, ...] = (20, 50), turns_limit: int = 150) -> dict:
     """Ingest one LoCoMo conversation, then serve it with the manager on, then off."""
-    settings, user, questions, turns = prepare_user(settings, data, turns_limit)
+    settings, user, questions, turns, encode_s = encoded_user(settings, data, out_dir,
+                                                              turns_limit)
     questions = questions[:n_queries]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with worker_process(settings, out_dir / "worker.log", sharing=1):  # no server yet
-        encode_s = ingest_user(settings, user, turns)
-    print(f"{len(turns)} facts ingested and encoded in {encode_s:.0f}s")
     rows, held = [], {}
     for manager, args in MANAGERS.items():
         log = out_dir / f"server-{manager}.log"

@@ -177,15 +177,24 @@ def ingest_user(settings: Settings, user: str, turns: list) -> float:
     return asyncio.run(go())
 
 
+def encoded_user(settings: Settings, data: Path, out_dir: Path, turns_limit: int
+                 ) -> tuple[Settings, str, list[str], list, float]:
+    """``prepare_user``, then its turns ingested and encoded by a worker alone (no server yet):
+    the ready settings, user, questions, turns and the seconds encoding took."""
+    settings, user, questions, turns = prepare_user(settings, data, turns_limit)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with worker_process(settings, out_dir / "worker.log", sharing=1):
+        encode_s = ingest_user(settings, user, turns)
+    print(f"{len(turns)} facts ingested and encoded in {encode_s:.0f}s")
+    return settings, user, questions, turns, encode_s
+
+
 def run(settings: Settings, data: Path, out_dir: Path, n_queries: int = 20,
         ks: tuple[int, ...] = (0, 5, 10, 20, 50), turns_limit: int = 150) -> dict:
     """Ingest one LoCoMo conversation through the real pipeline, serve it, measure TTFT."""
-    settings, user, questions, turns = prepare_user(settings, data, turns_limit)
+    settings, user, questions, turns, encode_s = encoded_user(settings, data, out_dir,
+                                                              turns_limit)
     questions = questions[:n_queries]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with worker_process(settings, out_dir / "worker.log", sharing=1):  # no server yet
-        encode_s = ingest_user(settings, user, turns)
-    print(f"{len(turns)} facts ingested and encoded in {encode_s:.0f}s; starting the server")
     with server_process(settings, out_dir / "server.log") as url:
         rows = asyncio.run(measure(url, user, questions, list(ks)))
     # The disk tier: a second server whose host and device tiers hold nothing.
