@@ -6,7 +6,10 @@
 >>> memory.edit_fact("alice", facts[0]["id"], "Alice moved to Lisbon in May 2025.")
 
 Both clients build the same requests (``_Call``); only how they are sent differs. A refused
-request raises ``MemoryAPIError`` with the server's status and message. ``agent_id`` /
+request raises ``MemoryAPIError`` with the server's status and message. With no ``api_key``
+they send ``INFERSCALE_API_KEY``, or for a server on this machine (a loopback URL) the local
+admin key ``inferscale serve`` made (``platform/local_key.py``; ``data_dir``: where it is, by
+default ``INFERSCALE_DATA_DIR`` or ``~/.inferscale``). ``agent_id`` /
 ``run_id`` scope what a call writes and filter what it reads (None: any).
 """
 
@@ -14,10 +17,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import httpx
+
+from inferscale.platform.local_key import key_for
 
 
 class MemoryAPIError(Exception):
@@ -111,17 +117,19 @@ def _result(response: httpx.Response) -> Any:
     return response.json()
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+def _headers(base_url: str, api_key: str | None, data_dir: Path | None) -> dict[str, str]:
+    key = api_key if api_key is not None else key_for(base_url, data_dir)
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
 class MemoryClient:
     """The memory API of one server, over HTTP (blocking)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
-                 transport: httpx.BaseTransport | None = None):
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(api_key),
-                                  timeout=timeout, transport=transport)
+                 transport: httpx.BaseTransport | None = None, data_dir: Path | None = None):
+        self._http = httpx.Client(base_url=base_url.rstrip("/"),
+                                  headers=_headers(base_url, api_key, data_dir), timeout=timeout,
+                                  transport=transport)
 
     def _send(self, call: _Call) -> Any:
         return _result(self._http.request(call.method, call.path, params=call.params,
@@ -190,10 +198,11 @@ class AsyncMemoryClient:
     """The memory API of one server, over HTTP (asyncio)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 data_dir: Path | None = None):
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"),
-                                       headers=_headers(api_key), timeout=timeout,
-                                       transport=transport)
+                                       headers=_headers(base_url, api_key, data_dir),
+                                       timeout=timeout, transport=transport)
 
     async def _send(self, call: _Call) -> Any:
         return _result(await self._http.request(call.method, call.path, params=call.params,

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -24,21 +25,37 @@ import pytest
 
 from inferscale.db import migrate
 from inferscale.devstack import infra
+from inferscale.platform.local_key import KEY_ENV, key_path
 from inferscale.platform.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite's servers run at the defaults: no INFERSCALE_API_KEYS, so each accepts only its
+# local admin key, laid in its data folder before it starts as the one it would make; the
+# suite's clients pick it up from INFERSCALE_API_KEY as a user's do from the file.
+SUITE_KEY = os.environ.setdefault(KEY_ENV, "suite-" + secrets.token_urlsafe(24))
+AUTH = {"authorization": f"Bearer {SUITE_KEY}"}
 SAMPLE = ROOT / "inferscale" / "data" / "sample_conversation.json"
-# compose.yaml refuses to start its server without keys; the suite's own (unused) key set.
-COMPOSE_ENV = {**os.environ, "INFERSCALE_API_KEYS": os.environ.get(
-    "INFERSCALE_API_KEYS", '{"test-suite-key": ["*"]}')}
+# compose.yaml starts nothing without its credentials: the suite's test values, where the
+# environment sets none (the API keys and plan secret go unused: the suite starts no server).
+COMPOSE_ENV = {"INFERSCALE_API_KEYS": '{"test-suite-key": ["*"]}',
+               "INFERSCALE_PLAN_SECRET": "test-plan-secret", "POSTGRES_PASSWORD": "test-pg-secret",
+               "MINIO_ROOT_USER": "test-minio", "MINIO_ROOT_PASSWORD": "test-minio-secret",
+               "KAFKA_SASL_USERNAME": "test-kafka", "KAFKA_SASL_PASSWORD": "test-kafka-secret",
+               **os.environ}
+# What compose.yaml publishes on 127.0.0.1: its broker (a SCRAM login) and database.
 COMPOSE_ENDPOINTS = {
-    "INFERSCALE_KAFKA_BOOTSTRAP": "localhost:29092",
-    "INFERSCALE_DATABASE_URL": "postgresql+asyncpg://inferscale:inferscale@localhost:5432/inferscale",
+    "INFERSCALE_KAFKA_BOOTSTRAP": "127.0.0.1:29092",
+    "INFERSCALE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+    "INFERSCALE_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+    "INFERSCALE_KAFKA_SASL_USERNAME": COMPOSE_ENV["KAFKA_SASL_USERNAME"],
+    "INFERSCALE_KAFKA_SASL_PASSWORD": COMPOSE_ENV["KAFKA_SASL_PASSWORD"],
+    "INFERSCALE_DATABASE_URL": "postgresql+asyncpg://inferscale:"
+                               f"{COMPOSE_ENV['POSTGRES_PASSWORD']}@127.0.0.1:5432/inferscale",
 }
 # compose.yaml's MinIO (the durable KV tier) as published on the host, with its root credentials.
-COMPOSE_S3 = {"AWS_ENDPOINT_URL": "http://localhost:9000",
-              "AWS_ACCESS_KEY_ID": os.environ.get("MINIO_ROOT_USER", "inferscale"),
-              "AWS_SECRET_ACCESS_KEY": os.environ.get("MINIO_ROOT_PASSWORD", "inferscale-secret")}
+COMPOSE_S3 = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+              "AWS_ACCESS_KEY_ID": COMPOSE_ENV["MINIO_ROOT_USER"],
+              "AWS_SECRET_ACCESS_KEY": COMPOSE_ENV["MINIO_ROOT_PASSWORD"]}
 
 
 def docker_problem(need_engine: bool = True) -> str | None:
@@ -203,6 +220,7 @@ class Server:
         from inferscale.platform.settings import settings_env
         from inferscale.serving.serve import wait_ready
 
+        lay_key(self.settings.data_dir)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "inferscale.cli", "serve", "--", *self.extra_args],
@@ -242,8 +260,16 @@ class Server:
                                          ("key_scales", key_scales)) if v is not None}
         if options:
             body["inferscale"] = options
-        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers or {},
-                          timeout=120)
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body,
+                          headers={**AUTH, **(headers or {})}, timeout=120)
+
+
+def lay_key(data_dir: Path) -> None:
+    """The suite's key as the local admin key of a server using ``data_dir``."""
+    path = key_path(data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(SUITE_KEY + "\n")
+    path.chmod(0o600)
 
 
 @contextlib.contextmanager

@@ -20,11 +20,13 @@ def sample_turns(user_id: str | None = None) -> list[TurnEvent]:
             for t in read_turns(SAMPLE)]
 
 
-async def read_topic(bootstrap: str, topic: str, expected: int,
-                     timeout_s: float = 20) -> list[ConsumerRecord]:
-    """Read a topic from the beginning until ``expected`` records arrived (or time runs out)."""
+async def read_topic(bootstrap: str, topic: str, expected: int, timeout_s: float = 20,
+                     security: dict | None = None) -> list[ConsumerRecord]:
+    """Read a topic from the beginning until ``expected`` records arrived (or time runs out);
+    ``security``: ``kafka_security``'s."""
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
-                                auto_offset_reset="earliest", enable_auto_commit=False)
+                                auto_offset_reset="earliest", enable_auto_commit=False,
+                                **(security or {}))
     await consumer.start()
     records: list[ConsumerRecord] = []
     try:
@@ -51,12 +53,14 @@ async def extract_all(settings, engine, embedder, extractor=None, decide=None, *
 async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, store=None) -> None:
     """Publish turns, drain the ingest and extract stages, then (optionally) encode every
     pending fact."""
-    from inferscale.pipeline.kafka import ensure_topics, publish_turns
+    from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
     from workers.encode import EncodeWorker
     from workers.ingest import IngestWorker
 
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
-    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
+    security = kafka_security(settings)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False,
+                        security=security)
     await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
     await extract_all(settings, engine, embedder)
     if encoder is not None:

@@ -53,7 +53,9 @@ json_values = st.recursive(
 )
 offsets = st.integers(-1439, 1439).map(lambda m: timezone(timedelta(minutes=m)))
 safe_text = st.characters(codec="utf-8", exclude_characters="\x00")
-ids = st.text(safe_text, min_size=1, max_size=256)
+# ids (owners, scopes): no control characters (``contracts/scope.ID_PATTERN``)
+ids = st.text(st.characters(codec="utf-8", exclude_categories=["Cc", "Cs"]), min_size=1,
+              max_size=256)
 
 
 @st.composite

@@ -20,6 +20,7 @@ import time
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from inferscale.pipeline.kafka import kafka_security
 from inferscale.platform.settings import Settings
 from workers import observe
 
@@ -85,7 +86,8 @@ class GroupWatch:
         for tp in parts:
             offset = await consumer.committed(tp)
             committed[tp] = starts[tp] if offset is None else offset
-        probe = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        probe = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
+                                 **kafka_security(self.settings))
         try:
             await probe.start()
             probe.assign(parts)

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale.contracts.events import InvalidEvent, TurnEvent, parse_record
 from inferscale.db.turns import StoredTurn, lock_users, tombstones, upsert_turns
-from inferscale.pipeline.kafka import ensure_topics, make_producer
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer
 from inferscale.platform import failpoints
 from inferscale.platform.retry import is_transient_db_error, retry_transient
 from inferscale.platform.settings import Settings
@@ -143,16 +143,18 @@ class IngestWorker:
         async def start() -> tuple[AIOKafkaConsumer, AIOKafkaProducer] | None:
             if self._stop.is_set():
                 return None
+            security = kafka_security(s)
             consumer = AIOKafkaConsumer(
                 s.turns_topic, bootstrap_servers=self.bootstrap, group_id=s.consumer_group,
                 enable_auto_commit=False, auto_offset_reset="earliest",
                 session_timeout_ms=s.kafka_session_timeout_ms,
                 heartbeat_interval_ms=max(100, s.kafka_session_timeout_ms // 5),
-                max_poll_records=s.ingest_batch_size,
+                max_poll_records=s.ingest_batch_size, **security,
             )
-            producer = make_producer(self.bootstrap)
+            producer = make_producer(self.bootstrap, security)
             try:
-                await ensure_topics(self.bootstrap, [s.turns_topic, s.dead_letter_topic])
+                await ensure_topics(self.bootstrap, [s.turns_topic, s.dead_letter_topic],
+                                    security=security)
                 await producer.start()
                 await consumer.start()
                 return consumer, producer

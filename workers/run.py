@@ -18,6 +18,7 @@ from inferscale.pipeline.embedder import load_embedder
 from inferscale.pipeline.extraction import Extractor, get_extractor
 from inferscale.pipeline.generators import JsonGenerator, LocalJsonGenerator, OpenAIJsonGenerator
 from inferscale.pipeline.invalidation import publish_invalidation
+from inferscale.pipeline.kafka import kafka_security
 from inferscale.pipeline.updates import Decide, LLMDecider
 from inferscale.platform.settings import Settings
 from workers.encode import EncodeWorker, open_encoder_and_store
@@ -131,7 +132,7 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
     encoder, store = await loop.run_in_executor(None, open_encoder_and_store, settings)
     embedder = await loop.run_in_executor(None, load_embedder, settings)
     extractor, decide = extraction(settings, encoder)
-    bootstrap = resolve_kafka_bootstrap(settings)
+    bootstrap, security = resolve_kafka_bootstrap(settings), kafka_security(settings)
     to_extract, to_encode = asyncio.Event(), asyncio.Event()
 
     async def stored(_offsets) -> None:
@@ -144,7 +145,8 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
                                              ) + await count_unextracted_turns(conn)
 
     async def invalidate(user: str, locations: list[str]) -> None:
-        await publish_invalidation(bootstrap, settings.invalidation_topic, user, locations)
+        await publish_invalidation(bootstrap, settings.invalidation_topic, user, locations,
+                                   security=security)
 
     ingest = IngestWorker(settings, bootstrap, engine, after_store=stored, backlog=backlog)
     extract = ExtractWorker(settings, engine, embedder, extractor, decide, store=store,

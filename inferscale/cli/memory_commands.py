@@ -12,15 +12,17 @@ from inferscale.platform.settings import Settings
 
 def _publish(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale.devstack.infra import resolve_kafka_bootstrap
-    from inferscale.pipeline.kafka import ensure_topics, publish_turns
+    from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
     from inferscale.pipeline.sources import read_turns
 
     bootstrap = resolve_kafka_bootstrap(settings)
     topic = args.topic or settings.turns_topic
 
     async def go() -> int:
-        await ensure_topics(bootstrap, [topic, settings.dead_letter_topic])
-        return await publish_turns(bootstrap, topic, read_turns(Path(args.file)))
+        security = kafka_security(settings)
+        await ensure_topics(bootstrap, [topic, settings.dead_letter_topic], security=security)
+        return await publish_turns(bootstrap, topic, read_turns(Path(args.file)),
+                                   security=security)
 
     count = asyncio.run(go())
     print(f"published {count} turns to {topic}")
@@ -29,20 +31,26 @@ def _publish(args: argparse.Namespace, settings: Settings) -> int:
 
 def _forget(args: argparse.Namespace, settings: Settings) -> int:
     server = args.server or settings.server_url
-    if server:  # the server forgets and purges its own memory tiers and prefix cache
-        import httpx
+    if server:  # the server forgets and purges its own memory tiers
+        import json
 
-        headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        response = httpx.post(f"{server.rstrip('/')}/v1/memory/forget", json={"user": args.user},
-                              headers=headers, timeout=120)
-        print(response.text)
-        return 0 if response.status_code == 200 else 1
+        from inferscale.client import MemoryAPIError, MemoryClient
+
+        with MemoryClient(server, args.api_key, timeout=120,
+                          data_dir=settings.data_dir) as memory:
+            try:
+                print(json.dumps(memory.forget(args.user)))
+            except MemoryAPIError as exc:
+                print(exc, file=sys.stderr)
+                return 1
+        return 0
 
     from inferscale.db.engine import create_engine
     from inferscale.devstack.infra import resolve_kafka_bootstrap
     from inferscale.kv.store import KVStore
     from inferscale.pipeline.forget import forget_user
     from inferscale.pipeline.invalidation import publish_invalidation
+    from inferscale.pipeline.kafka import kafka_security
 
     async def go():
         engine = create_engine(settings=settings)
@@ -52,13 +60,13 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
         finally:
             await engine.dispose()
         await publish_invalidation(resolve_kafka_bootstrap(settings),
-                                   settings.invalidation_topic, args.user, forgotten.locations)
+                                   settings.invalidation_topic, args.user, forgotten.locations,
+                                   security=kafka_security(settings))
         return forgotten
 
     forgotten = asyncio.run(go())
     print(f"forgot user {args.user!r}: {forgotten.facts} facts, {forgotten.blobs} KV blobs; "
-          "running servers purge their memory tiers and prefix caches through the invalidation "
-          "topic")
+          "running servers purge their memory tiers through the invalidation topic")
     return 0
 
 
@@ -77,7 +85,7 @@ def _memory(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError(f"inferscale memory {args.action} needs --{what}")
     if args.action == "edit" and args.text is None:
         raise ValueError("inferscale memory edit needs --text")
-    with MemoryClient(server, args.api_key) as memory:
+    with MemoryClient(server, args.api_key, data_dir=settings.data_dir) as memory:
         calls = {
             "list": lambda: memory.list_facts(args.user, args.limit, args.cursor,
                                               args.agent_id, args.run_id),
@@ -106,7 +114,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("forget", help="remove a user's turns, facts and KV from every tier")
     p.add_argument("--user", required=True)
     p.add_argument("--server", help="a running server's URL: it forgets and purges its caches")
-    p.add_argument("--api-key", help="bearer key for --server")
+    p.add_argument("--api-key", help="bearer key for --server (default: INFERSCALE_API_KEY, or "
+                                     "this machine's admin key for a loopback server)")
     p.set_defaults(func=_forget)
 
     p = sub.add_parser("memory", help="see, search, edit or delete a user's facts on a server")
@@ -121,5 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--agent-id", help="list, search: only this agent's facts")
     p.add_argument("--run-id", help="list, search: only this run's facts")
     p.add_argument("--server", help="the server's URL (default INFERSCALE_SERVER_URL)")
-    p.add_argument("--api-key", help="a bearer key that may act for the user")
+    p.add_argument("--api-key", help="a bearer key that may act for the user (default: "
+                                     "INFERSCALE_API_KEY, or this machine's admin key for a "
+                                     "loopback server)")
     p.set_defaults(func=_memory)

@@ -16,7 +16,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from inferscale.contracts.scope import SCOPE_FIELDS, Scope, ScopeValue
+from inferscale.contracts.scope import SCOPE_FIELDS, OwnerId, Scope, ScopeValue
 
 TURN_EVENT_VERSIONS: Final = (1, 2)
 STRING_FIELDS = ("user_id", "conversation_id", "turn_id", "speaker", "text", *SCOPE_FIELDS)
@@ -36,7 +36,7 @@ class TurnEvent(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     version: Literal[1, 2] = 1
-    user_id: str = Field(min_length=1, max_length=256)
+    user_id: OwnerId
     conversation_id: str = Field(min_length=1, max_length=256)
     turn_id: str = Field(min_length=1, max_length=256)
     speaker: str = Field(min_length=1, max_length=256)

@@ -3,7 +3,8 @@
 
 A :class:`Scope` used as a filter selects an owner's facts whose fields equal every field it
 sets; a field left None matches any value (a filter setting nothing matches every fact). Scope
-values follow the id rules of the turn event: 1-256 characters, no NUL.
+values and owner ids follow one id rule (the turn event's too): 1-256 characters, no control
+characters (Postgres cannot store NUL; the others have no place in an id and hide in logs).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from pydantic import Field, TypeAdapter
 
 SCOPE_FIELDS: Final = ("agent_id", "run_id")
 MAX_SCOPE_CHARS: Final = 256
-SCOPE_PATTERN: Final = r"^[^\x00]+$"  # no NUL (Postgres cannot store it)
+MAX_OWNER_CHARS: Final = 256
+ID_PATTERN: Final = r"^[^\x00-\x1f\x7f]+$"  # no control characters
+SCOPE_PATTERN: Final = ID_PATTERN
 ScopeValue = Annotated[str, Field(min_length=1, max_length=MAX_SCOPE_CHARS,
                                   pattern=SCOPE_PATTERN)]  # as request and API fields take it
+OwnerId = Annotated[str, Field(min_length=1, max_length=MAX_OWNER_CHARS, pattern=ID_PATTERN)]
 
 
 @dataclass(frozen=True)
@@ -39,4 +43,14 @@ class Scope:
 
 
 _SCOPE_VALUE: TypeAdapter[str] = TypeAdapter(ScopeValue)
+_OWNER_ID: TypeAdapter[str] = TypeAdapter(OwnerId)
+
+
+def is_owner_id(value: object) -> bool:
+    """Whether ``value`` is a memory owner id (the one check every entry point applies)."""
+    try:
+        _OWNER_ID.validate_python(value, strict=True)
+    except ValueError:  # pydantic's ValidationError
+        return False
+    return True
 ANY: Final = Scope()

@@ -96,6 +96,8 @@ fact_kv = Table(
     Column("encode_claims", Integer, nullable=False, server_default="0"),
     Column("claimed_until", DateTime(timezone=True)),
     Column("encoded_at", DateTime(timezone=True)),
+    # A request served the fact by this model (migration 0013): eviction spares it in the grace.
+    Column("served_at", DateTime(timezone=True)),
 )
 
 # A forgotten user's tombstone: turns published (Kafka record time) up to forgotten_at are
@@ -119,7 +121,7 @@ memory_versions = Table(
 )
 
 # When each user's memory was last served (migration 0010): eviction takes the least recently
-# served users' KV first, and none of a user served within the grace period.
+# served users' KV first.
 memory_activity = Table(
     "memory_activity",
     metadata,

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferscale.platform.local_key import key_for
+
 
 @dataclass
 class ChatResult:
@@ -31,7 +33,8 @@ async def stream_chat(client: httpx.AsyncClient, url: str, user: str, question: 
                       k: int, max_tokens: int = 16, fresh: bool = True,
                       options: dict | None = None, top_logprobs: int = 0,
                       salt: str | None = None) -> ChatResult:
-    """Send one memory chat request with ``stream: true``; TTFT = first generated token.
+    """Send one memory chat request with ``stream: true``; TTFT = first generated token. A
+    client without an ``Authorization`` header sends this machine's key (``key_for``).
     ``options`` adds memory options (recompute, order); ``top_logprobs`` > 0 also returns the
     generated token ids and the first position's top logprobs; ``salt`` shares prefix-cache
     blocks with the requests that carry the same one."""
@@ -46,7 +49,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, user: str, question: 
     ttft = None
     parts: list[str] = []
     result = ChatResult(ttft=0.0, total=0.0, text="", headers={})
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+    key = None if "authorization" in client.headers else key_for(url)
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                             headers={"authorization": f"Bearer {key}"} if key else None
+                             ) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
         async for line in response.aiter_lines():

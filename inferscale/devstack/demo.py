@@ -21,7 +21,7 @@ from inferscale.db.engine import create_engine
 from inferscale.devstack import infra
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
-from inferscale.pipeline.kafka import ensure_topics, publish_turns
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import read_turns
 from inferscale.platform.settings import Settings
 from inferscale.serving.request_options import default_recompute
@@ -36,9 +36,10 @@ def say(message: str) -> None:
 
 
 async def _publish(settings: Settings, turns) -> None:
-    bootstrap = infra.resolve_kafka_bootstrap(settings)
-    await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic])
-    await publish_turns(bootstrap, settings.turns_topic, turns)
+    bootstrap, security = infra.resolve_kafka_bootstrap(settings), kafka_security(settings)
+    await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic],
+                        security=security)
+    await publish_turns(bootstrap, settings.turns_topic, turns, security=security)
 
 
 async def _wait(settings: Settings, user: str, n: int) -> float:

@@ -32,7 +32,7 @@ from inferscale.devstack.stack import prepare, server_process, wait_encoded, wor
 from inferscale.lab.bench.common import auto_costs, print_table, write_report
 from inferscale.lab.fidelity import compare
 from inferscale.lab.scoring import exact_match, locomo_f1
-from inferscale.pipeline.kafka import ensure_topics, publish_turns
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import locomo_turns
 from inferscale.platform.settings import Settings
 
@@ -123,9 +123,10 @@ def _ingest(settings: Settings, samples: list[dict], encoding: tuple[str, int], 
             events.append(t.model_copy(update={"user_id": user, "conversation_id": user}))
 
     async def go() -> None:
-        bootstrap = resolve_kafka_bootstrap(run)
-        await ensure_topics(bootstrap, [run.turns_topic, run.dead_letter_topic])
-        await publish_turns(bootstrap, run.turns_topic, events)
+        bootstrap, security = resolve_kafka_bootstrap(run), kafka_security(run)
+        await ensure_topics(bootstrap, [run.turns_topic, run.dead_letter_topic],
+                            security=security)
+        await publish_turns(bootstrap, run.turns_topic, events, security=security)
         engine = create_engine(run.database_url)
         try:
             for user in users.values():

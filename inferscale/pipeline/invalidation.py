@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
@@ -24,11 +25,11 @@ log = logging.getLogger("inferscale.pipeline.invalidation")
 Purge = Callable[[list[str]], Awaitable[object]]  # what it returns is not used
 
 
-async def publish_invalidation(bootstrap: str, topic: str, user_id: str,
-                               locations: list[str]) -> None:
-    """Tell every server to drop these blobs from memory."""
-    await ensure_topics(bootstrap, [topic], partitions=1)
-    producer = make_producer(bootstrap)
+async def publish_invalidation(bootstrap: str, topic: str, user_id: str, locations: list[str],
+                               security: dict[str, Any] | None = None) -> None:
+    """Tell every server to drop these blobs from memory; ``security``: ``kafka_security``'s."""
+    await ensure_topics(bootstrap, [topic], partitions=1, security=security)
+    producer = make_producer(bootstrap, security)
     await producer.start()
     try:
         await producer.send_and_wait(topic, json.dumps(
@@ -48,16 +49,17 @@ def parse_invalidation(raw: bytes | None) -> list[str]:
     return [loc for loc in locations if isinstance(loc, str)]
 
 
-async def consume_invalidations(bootstrap: str, topic: str, purge: Purge,
-                                retry_s: float = 2.0) -> None:
+async def consume_invalidations(bootstrap: str, topic: str, purge: Purge, retry_s: float = 2.0,
+                                security: dict[str, Any] | None = None) -> None:
     """Apply every invalidation published since this call began, until cancelled; survives
     broker outages (reconnects) and malformed records (skipped)."""
     since_ms = int(time.time() * 1000) - 5_000  # tolerate a little clock skew
     while True:
         consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
-                                    auto_offset_reset="earliest", enable_auto_commit=False)
+                                    auto_offset_reset="earliest", enable_auto_commit=False,
+                                    **(security or {}))
         try:
-            await ensure_topics(bootstrap, [topic], partitions=1)
+            await ensure_topics(bootstrap, [topic], partitions=1, security=security)
             await consumer.start()
             while True:
                 batch = await consumer.getmany(timeout_ms=1000)

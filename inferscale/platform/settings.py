@@ -8,17 +8,46 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # the names of ``inferscale.contracts.kv_format.FORMATS`` (settings import no torch)
 KVFormat = Literal["raw", "int8", "int4", "int2", "fp8"]
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+class KeyGrant(BaseModel):
+    """What one API key may do: act for these owners ("*": any), and optionally only for some
+    of their agents / runs (None: any) or only read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    owners: list[str] = Field(min_length=1)
+    agents: list[str] | None = None
+    runs: list[str] | None = None
+    read_only: bool = False
+
+    @property
+    def admin(self) -> bool:
+        """Whether the key may do anything: any owner, every scope, edits."""
+        return ("*" in self.owners and self.agents is None and self.runs is None
+                and not self.read_only)
+
+
+def _grant(raw: object) -> object:
+    """A key's grant as JSON: an object, or the list of owners it may act for."""
+    return {"owners": raw} if isinstance(raw, list) else raw
 
 
 @dataclass(frozen=True)
@@ -69,6 +98,16 @@ class Settings(BaseSettings):
     # Storage of the embedded broker: memory://tansu/ (lost on restart), s3://bucket/ (with
     # AWS_ENDPOINT, AWS_ACCESS_KEY_ID, ... in the environment) or postgres://...
     kafka_storage: str = "memory://tansu/"
+    # How clients reach the broker: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = (
+        "PLAINTEXT")
+    # The SASL mechanism (SASL_* protocols only; SCRAM sends no password over the wire).
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None  # the SASL user (SASL_* protocols only)
+    kafka_sasl_password: SecretStr | None = None  # its password
+    kafka_ssl_cafile: Path | None = None  # CA bundle (PEM) for the broker (None: the system's)
+    kafka_ssl_certfile: Path | None = None  # client certificate (PEM) for mutual TLS
+    kafka_ssl_keyfile: Path | None = None  # its private key (PEM; None: in kafka_ssl_certfile)
 
     # Topics and consumer group.
     turns_topic: str = "inferscale.turns"  # turn events in, keyed by user_id
@@ -159,7 +198,8 @@ class Settings(BaseSettings):
     kv_budget_bytes: int | None = Field(default=None, ge=0)
     kv_user_budget_bytes: int | None = Field(default=None, ge=0)
     kv_budget_headroom: float = Field(default=0.05, ge=0, lt=1, allow_inf_nan=False)
-    # No KV of a user served within this many seconds is evicted (no plan in flight names it).
+    # No KV a request served within this many seconds (for that model) is evicted (no plan in
+    # flight names it); the rest of an active user's KV is held to the budgets.
     kv_evict_grace_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
     kv_evict_interval_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     # Key scales (``key_scales.py``): a per-layer temperature for the attention paid to injected
@@ -232,14 +272,30 @@ class Settings(BaseSettings):
     server_host: str = "127.0.0.1"  # `inferscale serve` listens here
     server_port: int = 8000  # and on this port
     server_url: str | None = None  # a running server for `inferscale forget`
-    # Bearer key -> the memory owners it may act for ("*": any), as JSON.
-    api_keys: dict[str, list[str]] = Field(default_factory=dict)
-    # Without api_keys, may anyone who reaches the port read any memory? None: only when the
-    # server listens on loopback.
-    allow_anonymous: bool | None = None
+    # Bearer key -> what it may do, as JSON: a list of the owners it may act for ("*": any), or
+    # {"owners": [...], "agents": [...], "runs": [...], "read_only": true} (agents / runs: only
+    # those of the owners; read_only: no edits). Unset: the server makes a local admin key
+    # (data_dir/api_key, 0600) that this machine's CLI, client and demo pick up.
+    api_keys: dict[str, Annotated[KeyGrant, BeforeValidator(_grant)]] = Field(
+        default_factory=dict)
+    # Serve memory to callers without a key (only without api_keys): never implied by the
+    # listening address; the server says so at start.
+    allow_anonymous: bool = False
+    # Host names (Host header) the server answers to besides loopback names and server_host
+    # ("*": any, e.g. behind a proxy that checks them): a rebound DNS name is refused.
+    allowed_hosts: list[str] = Field(default_factory=list)
+    # Browser origins (scheme://host:port) allowed besides the server's own ("*": any): a page
+    # of any other origin is refused on every route.
+    allowed_origins: list[str] = Field(default_factory=list)
+    # Requests per API key (per client address when anonymous) on the memory API and on chat
+    # requests that name an owner, in the `limits` package's notation (None: no limit); over
+    # it: 429 with Retry-After.
+    rate_limit: str | None = "100/second;3000/minute"
     vllm_api_keys: list[str] = Field(default_factory=list)  # vLLM's own --api-key values
     max_body_bytes: int = Field(default=8 * 1024**2, gt=0)  # larger request bodies: 413
-    plan_secret: str | None = None  # signs injection plans (None: random per server)
+    # Signs injection plans and keys each owner's prefix-cache salt, so no client can compute
+    # another owner's salt (None: random per server; replicas behind one router share one).
+    plan_secret: str | None = None
     max_model_len: int = 8192  # vLLM's --max-model-len
     vllm_kv_cache_gib: int = 2  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
 
@@ -250,6 +306,24 @@ class Settings(BaseSettings):
             raise ValueError("a tail recompute counts facts: 0 or more")
         return tail
 
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, keys: dict[str, KeyGrant]) -> dict[str, KeyGrant]:
+        for key in keys:
+            if not key or not key.isprintable() or any(c.isspace() for c in key):
+                raise ValueError("an API key must be non-empty printable text without spaces")
+        return keys
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _check_rate_limit(cls, spec: str | None) -> str | None:
+        if not spec:
+            return None
+        from limits import parse_many
+
+        parse_many(spec)  # ValueError for what the notation does not read
+        return spec
+
     @field_validator("kv_url")
     @classmethod
     def _check_kv_url(cls, url: str | None) -> str | None:
@@ -258,12 +332,28 @@ class Settings(BaseSettings):
         parse_kv_url(url)
         return url
 
-    @property
-    def anonymous_memory(self) -> bool:
-        """Whether memory requests without an API key are served."""
-        if self.allow_anonymous is not None:
-            return self.allow_anonymous
-        return self.server_host in LOOPBACK_HOSTS
+    @model_validator(mode="after")
+    def _check_kafka_security(self) -> Settings:
+        protocol = self.kafka_security_protocol
+        sasl = {"kafka_sasl_mechanism": self.kafka_sasl_mechanism,
+                "kafka_sasl_username": self.kafka_sasl_username,
+                "kafka_sasl_password": self.kafka_sasl_password}
+        if protocol.startswith("SASL_"):
+            missing = [name for name, value in sasl.items() if not value]
+            if missing:
+                raise ValueError(f"kafka_security_protocol {protocol} needs {', '.join(missing)}")
+        elif set_sasl := [name for name, value in sasl.items() if value]:
+            raise ValueError(f"{', '.join(set_sasl)} need kafka_security_protocol SASL_PLAINTEXT "
+                             f"or SASL_SSL, not {protocol}")
+        tls = {"kafka_ssl_cafile": self.kafka_ssl_cafile,
+               "kafka_ssl_certfile": self.kafka_ssl_certfile,
+               "kafka_ssl_keyfile": self.kafka_ssl_keyfile}
+        if not protocol.endswith("SSL") and (set_tls := [n for n, v in tls.items() if v]):
+            raise ValueError(f"{', '.join(set_tls)} need kafka_security_protocol SSL or SASL_SSL, "
+                             f"not {protocol}")
+        if self.kafka_ssl_keyfile and not self.kafka_ssl_certfile:
+            raise ValueError("kafka_ssl_keyfile needs kafka_ssl_certfile (the certificate it keys)")
+        return self
 
     @property
     def infra_dir(self) -> Path:
@@ -294,6 +384,9 @@ def settings_env(settings: Settings) -> dict[str, str]:
     same settings: the one way settings reach child processes."""
     env = dict(os.environ)
     for name, value in settings.model_dump(mode="json").items():
+        secret = getattr(settings, name)
+        if isinstance(secret, SecretStr):  # dumped as "**********": the child needs the value
+            value = secret.get_secret_value()
         if value is not None:
             env[f"INFERSCALE_{name.upper()}"] = value if isinstance(value, str) else json.dumps(
                 value)

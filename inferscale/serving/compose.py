@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inferscale.serving.compose")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
-SERVED_STAMP_S = 60.0  # how often an owner's "served at" is written, at most
+SERVED_STAMP_S = 60.0  # how often a fact's "served at" is written, at most
 TEXT_PART_TYPES = ("text", "input_text")
 
 
@@ -66,24 +66,27 @@ class MemoryRuntime:
         self.engine = create_engine(settings=settings)
         self.index = OwnerIndex(self.engine, self.fingerprint, settings.retrieval_index_bytes)
         self.store = KVStore.from_settings(settings, self.fingerprint, host_bytes=0)
-        self._served: TTLCache[str, bool] = TTLCache(maxsize=1 << 17, ttl=SERVED_STAMP_S)
+        self._served: TTLCache[int, bool] = TTLCache(maxsize=1 << 17, ttl=SERVED_STAMP_S)
         self._noting: set[asyncio.Task[None]] = set()
 
-    def note_served(self, owner: str, met_unencoded: bool) -> None:
-        """In the background, off the request: stamp the owner's memory as served (at most
-        every ``SERVED_STAMP_S``, well within the eviction grace) and, when a served fact had
-        no KV, ask for the owner's evicted facts to be encoded again (``db/kv_budget.py``)."""
-        if owner in self._served and not met_unencoded:
+    def note_served(self, owner: str, served: list[int], missed: list[int]) -> None:
+        """In the background, off the request: stamp the owner's ``served`` facts as served (each
+        at most every ``SERVED_STAMP_S``, well within the eviction grace) and ask for the
+        ``missed`` ones (served without KV) to be encoded again where their KV was evicted
+        (``db/kv_budget.py``)."""
+        stamped = [i for i in served if i not in self._served or i in missed]
+        if not stamped:
             return
-        self._served[owner] = True
+        for fact_id in stamped:
+            self._served[fact_id] = True
 
         async def note() -> None:
             from inferscale.db.kv_budget import note_served
 
             try:
                 async with self.engine.begin() as conn:
-                    if wanted := await note_served(conn, owner, self.fingerprint,
-                                                    met_unencoded):
+                    if wanted := await note_served(conn, owner, self.fingerprint, stamped,
+                                                    missed):
                         M.reencodes_wanted.inc(wanted)
             except Exception as exc:  # noqa: BLE001 - bookkeeping: the answer is unaffected
                 log.warning("cannot record that %s's memory was served: %s", owner, exc)
@@ -138,7 +141,7 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
     retrieval_ms = (time.perf_counter() - started) * 1000
     M.retrieval_seconds.observe(retrieval_ms / 1000)
     if facts:
-        rt.note_served(owner, any(not f.kv_location for f in facts))
+        rt.note_served(owner, [f.id for f in facts], [f.id for f in facts if not f.kv_location])
     if not isinstance(options.recompute, int):
         raise ValueError("the front end decides an auto recompute before composing")
     if options.order == "time":

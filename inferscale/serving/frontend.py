@@ -5,16 +5,18 @@ A chat completion naming a memory owner (``user`` field or ``X-InferScale-User``
 rewritten before vLLM sees it: checked (``guards.py``), its memory options read
 (``request_options.py``), the prompt composed from the owner's top-k facts (``compose.py``) and
 sent as token ids, with a signed injection plan for the encoded facts (``kv_transfer_params``)
-and a per-memory ``cache_salt``. Requests without an owner pass through untouched (client
-``kv_transfer_params`` refused on every route); ``POST /v1/memory/forget`` forgets a user on
-this server and every other (an invalidation). At start-up it adds the memory API's routes
-(``memory_api.py``) to vLLM's app and serves them.
+and a ``cache_salt`` keyed by the server's secret and the facts served. Requests without an
+owner pass through untouched (client ``kv_transfer_params`` refused on every route). Every
+request, of any route, first passes the browser rules (``browser_guard.py``); memory requests
+and engine-control routes are admitted by ``access.py``. At start-up it adds the memory API's
+routes (``memory_api.py``) to vLLM's app and serves them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -24,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferscale.contracts.plan import PLAN_KEY, sign
-from inferscale.platform.settings import get_settings
+from inferscale.pipeline.kafka import kafka_security
+from inferscale.platform.settings import Settings, get_settings
+from inferscale.serving.access import Access
 from inferscale.serving.auto_recompute import (
     OUTCOMES,
     AutoRecompute,
@@ -33,12 +37,10 @@ from inferscale.serving.auto_recompute import (
     ask_for_margin,
     client_top_logprobs,
 )
+from inferscale.serving.browser_guard import check_request
 from inferscale.serving.compose import MemoryRuntime, chat_messages, compose
 from inferscale.serving.guards import (
     FrontendError,
-    authorize,
-    authorize_control,
-    parse_json,
     parse_request,
     read_body,
     refuse_reserved_form_fields,
@@ -51,7 +53,6 @@ from inferscale.serving.request_options import MemoryOptions, owner_and_options
 log = logging.getLogger("inferscale.serving.frontend")
 
 CHAT_PATH = "/v1/chat/completions"
-FORGET_PATH = "/v1/memory/forget"
 # vLLM's engine-control routes (scaling, sleep, cache resets, RPC, profiling, adapters):
 # admin keys only (or anonymous where anonymous access is the chosen policy).
 CONTROL_PATHS = frozenset({
@@ -59,7 +60,6 @@ CONTROL_PATHS = frozenset({
     "/release_kv_cache_memory", "/reset_prefix_cache", "/reset_mm_cache",
     "/reset_encoder_cache", "/start_profile", "/stop_profile", "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter", "/fault_tolerance/apply"})
-PREFIX_RESET_TRIES = 50  # vLLM resets its prefix cache only between requests
 BODY_METHODS = ("POST", "PUT", "PATCH")
 PARSE_IN_THREAD_BYTES = 64 * 1024
 TIERS_TIMEOUT_S = 5.0
@@ -67,25 +67,30 @@ TIERS_TIMEOUT_S = 5.0
 MARGIN_HEADERS = ("x-inferscale-first-margin", "x-inferscale-tail-margin")
 
 
-async def _purge(app, locations: list[str]) -> tuple[int, bool]:
-    """Drop blobs from every vLLM worker's memory tiers and reset vLLM's prefix cache (which
-    vLLM does only between requests: retried). Returns (blobs dropped, prefix cache reset)."""
-    engine_client = app.state.engine_client
-    purged = sum(await engine_client.collective_rpc("inferscale_purge", args=(locations,)))
+async def _purge(app, locations: list[str]) -> int:
+    """Drop blobs from every vLLM worker's memory tiers; returns how many they held. vLLM's
+    prefix cache is left alone: its blocks of a forgotten memory are unreachable, as every
+    memory prompt's salt names the facts it holds, and fact ids are never reused."""
+    purged = sum(await app.state.engine_client.collective_rpc("inferscale_purge",
+                                                              args=(locations,)))
     M.purged_blobs.inc(purged)
-    for _ in range(PREFIX_RESET_TRIES):
-        if await engine_client.reset_prefix_cache():
-            return purged, True
-        await asyncio.sleep(0.1)
-    return purged, False
+    return purged
+
+
+def _client(scope) -> str | None:
+    client = scope.get("client")
+    return client[0] if client else None
 
 
 class MemoryFrontend:
     """ASGI middleware: memory for owned chat completions, guard for every generation route."""
 
-    def __init__(self, app):
+    def __init__(self, app, settings: Settings | None = None):
         self.app = app
-        self.settings = get_settings()
+        self.settings = settings or get_settings()
+        self.access = Access(self.settings)
+        self._salt_key = hashlib.sha256(
+            b"inferscale cache salt\0" + (self.settings.plan_secret or "").encode()).digest()
         self._runtime: MemoryRuntime | None = None
         self._lock = asyncio.Lock()
         # vLLM adds --middleware outside its own --api-key check; run that check first here.
@@ -111,21 +116,27 @@ class MemoryFrontend:
             self._app = scope["app"]
             self._app.include_router(build_router(self))
             self._invalidations = self._start_invalidation_consumer(self._app)
+        if scope["type"] in ("http", "websocket"):
+            try:
+                check_request(self.settings, scope.get("method", "GET"), scope["path"],
+                              _headers(scope))
+            except FrontendError as exc:
+                if scope["type"] == "websocket":  # closed before accepting: HTTP 403
+                    return await send({"type": "websocket.close", "code": 1008})
+                return await _error(send, exc.status, exc.message)
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
             return await self.app(scope, receive, send)
         await self._authenticated(scope, receive, send)
 
     async def _handle(self, scope, receive, send):
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = _headers(scope)
         try:
             if scope["path"] in CONTROL_PATHS:
-                authorize_control(self.settings, headers)
+                self.access.authorize_control(headers, _client(scope))
             body = await read_body(receive, headers, self.settings.max_body_bytes)
-            if scope["path"] == FORGET_PATH:
-                return await _json(send, 200, await self._forget(body, headers))
-            rewritten = await self._rewrite(scope["path"], body, headers)
+            rewritten = await self._rewrite(scope["path"], body, headers, _client(scope))
         except FrontendError as exc:
-            return await _error(send, exc.status, exc.message)
+            return await _error(send, exc.status, exc.message, exc.headers)
         except Exception as exc:  # noqa: BLE001 - e.g. the database is down: say so, live on
             log.exception("memory front end failed")
             return await _error(send, 503, f"memory unavailable: {type(exc).__name__}")
@@ -165,7 +176,7 @@ class MemoryFrontend:
             try:
                 body, headers = await rewritten.retry(outcome == "kept", step is not None)
             except FrontendError as exc:
-                return await _error(send, exc.status, exc.message)
+                return await _error(send, exc.status, exc.message, exc.headers)
             except Exception as exc:  # noqa: BLE001 - as for the first attempt
                 log.exception("memory front end failed composing a recompute")
                 return await _error(send, 503, f"memory unavailable: {type(exc).__name__}")
@@ -216,16 +227,8 @@ class MemoryFrontend:
                         "from this server's memory tiers")
             return None
         return asyncio.create_task(consume_invalidations(
-            bootstrap, self.settings.invalidation_topic, lambda locs: _purge(app, locs)))
-
-    async def _forget(self, body: bytes, headers: dict[str, str]) -> dict:
-        """``POST /v1/memory/forget`` (the memory API's ``DELETE /v1/memory/users/{user}``)."""
-        data = parse_json(body)
-        user = data.get("user") if isinstance(data, dict) else None
-        if not isinstance(user, str) or not user or len(user) > 256:
-            raise FrontendError(400, 'forget takes {"user": "<memory owner>"}')
-        authorize(self.settings, headers, user)
-        return await self.forget(user)
+            bootstrap, self.settings.invalidation_topic, lambda locs: _purge(app, locs),
+            security=kafka_security(self.settings)))
 
     # --- the memory API's service (``memory_api.MemoryService``) -------------------------------
 
@@ -247,7 +250,7 @@ class MemoryFrontend:
         M.purged_blobs.inc(purged)
         if (bootstrap := self._bootstrap()) is not None:
             await publish_invalidation(bootstrap, self.settings.invalidation_topic, user_id,
-                                       locations)
+                                       locations, kafka_security(self.settings))
         return int(purged)
 
     async def memory_tiers(self, locations: list[str]) -> list[list[str]] | None:
@@ -265,23 +268,23 @@ class MemoryFrontend:
                 for i in range(len(locations))]
 
     async def forget(self, user_id: str) -> dict:
-        """Forget a user: rows (with a tombstone), durable blobs, this server's memory tiers and
-        prefix cache now, every other server's through an invalidation."""
+        """Forget a user: rows (with a tombstone), durable blobs, this server's memory tiers
+        now, every other server's through an invalidation (``_purge``: no prefix-cache reset)."""
         from inferscale.pipeline.forget import forget_user
         from inferscale.pipeline.invalidation import publish_invalidation
 
         rt = await self._rt()
         forgotten = await forget_user(rt.engine, rt.store, user_id)
-        purged, reset = await _purge(self._app, forgotten.locations)
+        purged = await _purge(self._app, forgotten.locations)
         if (bootstrap := self._bootstrap()) is not None:
             await publish_invalidation(bootstrap, self.settings.invalidation_topic, user_id,
-                                       forgotten.locations)
+                                       forgotten.locations, kafka_security(self.settings))
         log.info("forgot a user", extra={"facts": forgotten.facts, "blobs": forgotten.blobs})
         return {"user": user_id, "facts_deleted": forgotten.facts,
-                "blobs_deleted": forgotten.blobs, "purged_from_memory": purged,
-                "prefix_cache_reset": reset}
+                "blobs_deleted": forgotten.blobs, "purged_from_memory": purged}
 
-    async def _rewrite(self, path: str, body: bytes, headers: dict[str, str]) -> _Rewritten:
+    async def _rewrite(self, path: str, body: bytes, headers: dict[str, str],
+                       client: str | None) -> _Rewritten:
         content_type = headers.get("content-type", "")
         if content_type.startswith(("multipart/", "application/x-www-form-urlencoded")):
             refuse_reserved_form_fields(body)
@@ -295,7 +298,7 @@ class MemoryFrontend:
         owner, options = owner_and_options(data, headers, self.settings)
         if owner is None:
             return _Rewritten(json.dumps(data).encode())
-        authorize(self.settings, headers, owner)
+        self.access.authorize(headers, owner, scope=options.scope, client=client)
         messages, query = chat_messages(data)
         rt = await self._rt()
         if options.recompute != "auto":
@@ -337,11 +340,13 @@ class MemoryFrontend:
             params[PLAN_KEY] = sign(prompt.plan, self.settings.plan_secret or "")
             checksums = [s.checksum for s in prompt.plan.segments]
             scaled = prompt.plan.key_scales
-        # Every memory prompt is salted per owner (and memory version, and whether its keys are
-        # scaled): no other user or variant can probe or reuse its prefix-cache blocks.
-        digest = hashlib.sha256(json.dumps(
-            [owner, rt.fingerprint, checksums, scaled, data.get("cache_salt")]).encode()
-        ).hexdigest()
+        # Every memory prompt is salted per owner and the facts it holds (and their blobs, and
+        # whether its keys are scaled), keyed by the server's secret: no other client can
+        # compute it to probe the owner's prefix-cache blocks, and a forgotten or edited fact's
+        # blocks are never reached again (fact ids are never reused).
+        digest = hmac.new(self._salt_key, json.dumps(
+            [owner, rt.fingerprint, prompt.fact_ids, checksums, scaled, data.get("cache_salt")]
+        ).encode(), hashlib.sha256).hexdigest()
         data["cache_salt"] = f"inferscale-{digest[:32]}"
         data["kv_transfer_params"] = params
         M.requests.labels(options.mode).inc()
@@ -443,15 +448,19 @@ def _adding(send, headers: dict[str, str]):
 
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
-               413: "request_too_large", 503: "service_unavailable"}
+               413: "request_too_large", 415: "unsupported_media_type",
+               429: "rate_limit_error", 503: "service_unavailable"}
 
 
-async def _json(send, status: int, payload: dict) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+def _headers(scope) -> dict[str, str]:
+    """A request's headers, lower-case keyed (a repeated header: its last value)."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-async def _error(send, status: int, message: str) -> None:
+async def _error(send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
     kind = ERROR_TYPES.get(status, "invalid_request_error")
-    await _json(send, status, {"error": {"message": message, "type": kind, "code": status}})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]
+                + [(k.encode(), v.encode()) for k, v in (headers or {}).items()]})
+    await send({"type": "http.response.body", "body": json.dumps(
+        {"error": {"message": message, "type": kind, "code": status}}).encode()})

@@ -1,6 +1,6 @@
-"""What the memory front end refuses before any memory work: oversized or unparsable bodies,
-client-supplied ``kv_transfer_params`` (at any depth, or as a form field), and requests whose
-API key may not act for the memory owner (or, on engine-control routes, for every owner)."""
+"""What the memory front end refuses before any memory work: oversized or unparsable bodies and
+client-supplied ``kv_transfer_params`` (at any depth, or as a form field). Who may call is
+``access.py``'s; from where, ``browser_guard.py``'s."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from inferscale.platform.settings import Settings
-
 RESERVED_KEYS = ("kv_transfer_params",)
 FORM_RESERVED = (b"kv_transfer_params", b"vllm_xargs")
 
@@ -18,38 +16,11 @@ FORM_RESERVED = (b"kv_transfer_params", b"vllm_xargs")
 class FrontendError(Exception):
     """A request the front end refuses, with its HTTP status."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def authorize(settings: Settings, headers: dict[str, str], owner: str) -> None:
-    """With API keys configured, the bearer key must exist and may act for ``owner``; without,
-    memory is readable only where anonymous access was chosen (default: loopback servers)."""
-    if not settings.api_keys:
-        if settings.anonymous_memory:
-            return
-        raise FrontendError(401, "memory requests need an API key: this server has no "
-                                 "INFERSCALE_API_KEYS and INFERSCALE_ALLOW_ANONYMOUS is off")
-    auth = headers.get("authorization", "")
-    key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-    if key not in settings.api_keys:
-        raise FrontendError(401, "missing or unknown API key")
-    allowed = settings.api_keys[key]
-    if owner not in allowed and "*" not in allowed:
-        raise FrontendError(403, f"this API key may not read the memory of {owner!r}")
-
-
-def authorize_control(settings: Settings, headers: dict[str, str]) -> None:
-    """Engine-control routes need a key that may act for every owner ("*")."""
-    if not settings.api_keys and settings.anonymous_memory:
-        return
-    try:
-        authorize(settings, headers, "*")
-    except FrontendError as exc:
-        raise FrontendError(exc.status, "engine-control routes need an admin key "
-                                        f"(one that may act for '*'): {exc.message}") from None
+        self.headers = headers or {}
 
 
 def parse_json(body: bytes) -> object:

@@ -18,11 +18,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
-from inferscale.contracts.scope import Scope, ScopeValue
+from inferscale.contracts.scope import Scope, ScopeValue, is_owner_id
 from inferscale.platform.settings import Settings
 from inferscale.serving.guards import FrontendError
 
 MAX_K = 200
+# A first-token margin is a few nats (fp32 logprobs end near -1e4): past this bound every answer
+# is "unsure" already. An auto request costs at most three attempts, whatever the margins.
+MAX_MARGIN = 1000.0
 HEADERS = {"mode": "x-inferscale-memory", "k": "x-inferscale-k",
            "recompute": "x-inferscale-recompute",
            "recompute_margin": "x-inferscale-recompute-margin",
@@ -54,6 +57,7 @@ Strength = Annotated[float, BeforeValidator(_strength),
 Flag = Annotated[bool, BeforeValidator(_flag), Field(strict=True)]
 STRENGTH: TypeAdapter[float] = TypeAdapter(Strength)
 Count = Annotated[int, Field(ge=0, le=MAX_K)]
+Margin = Annotated[float, Field(ge=0.0, le=MAX_MARGIN, allow_inf_nan=False)]
 
 
 class MemoryOptions(BaseModel):
@@ -64,8 +68,8 @@ class MemoryOptions(BaseModel):
     mode: Literal["inject", "text", "none"]
     k: Count
     recompute: Count | Literal["auto"] = 0
-    recompute_margin: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.5
-    recompute_text_margin: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.125
+    recompute_margin: Margin = 0.5
+    recompute_text_margin: Margin = 0.125
     order: Literal["relevance", "time"] = "relevance"
     lead: Flag = True
     key_scales: Strength = 1.0
@@ -92,8 +96,9 @@ def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
     """The memory owner (``user`` or ``X-InferScale-User``; None: no memory) and the options
     (the body's ``"inferscale"`` object is removed from ``data``); 400 for anything invalid."""
     owner = headers.get("x-inferscale-user") or data.get("user")
-    if owner is not None and (not isinstance(owner, str) or not owner or len(owner) > 256):
-        raise FrontendError(400, "the memory owner must be a non-empty string of <= 256 chars")
+    if owner is not None and not is_owner_id(owner):
+        raise FrontendError(400, "the memory owner must be a string of 1-256 characters, no "
+                                 "control characters")
     given = data.pop("inferscale", None) or {}
     if not isinstance(given, dict):
         raise FrontendError(400, "'inferscale' must be an object like {\"mode\": \"inject\"}")

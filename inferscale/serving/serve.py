@@ -15,8 +15,9 @@ from pathlib import Path
 
 from inferscale.db.engine import resolve_database_url
 from inferscale.devstack.infra import InfraError, resolve_kafka_bootstrap
+from inferscale.platform.local_key import ensure_key, key_path
 from inferscale.platform.model_prep import resolve_model_path
-from inferscale.platform.settings import Settings, settings_env
+from inferscale.platform.settings import KeyGrant, Settings, settings_env
 
 log = logging.getLogger("inferscale.serving.serve")
 KV_TRANSFER_CONFIG = {
@@ -56,6 +57,27 @@ def api_keys_in(vllm_args: list[str]) -> list[str]:
     return keys
 
 
+def memory_keys(settings: Settings) -> dict[str, KeyGrant]:
+    """The API keys the server accepts: the configured ones; else, unless anonymous memory was
+    chosen, the local admin key (made on first use; ``platform/local_key.py``). Says at start
+    which policy runs (never the key itself, except once, where it was just made, as the link
+    of the memory inspector on the terminal that started the server)."""
+    if settings.api_keys:
+        log.info("memory: %d API keys configured", len(settings.api_keys))
+        return settings.api_keys
+    if settings.allow_anonymous:
+        log.warning("memory: INFERSCALE_ALLOW_ANONYMOUS is on: anyone who reaches this server "
+                    "reads and changes every owner's memory without a key")
+        return {}
+    key, made = ensure_key(settings.data_dir)
+    log.info("memory: requests need an API key; this machine's admin key is in %s (the CLI, "
+             "client and demo here use it)", key_path(settings.data_dir))
+    if made and sys.stderr.isatty():
+        print(f"memory inspector: http://{settings.server_host}:{settings.server_port}/memory"
+              f"#key={key}", file=sys.stderr)
+    return {key: KeyGrant(owners=["*"])}
+
+
 def server_command(settings: Settings, extra_args: list[str] | None = None
                    ) -> tuple[list[str], dict[str, str]]:
     """The vLLM server command line and environment for these settings."""
@@ -75,10 +97,8 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
         "database_url": resolve_database_url(settings), "model_path": model_path,
         "kv_dir": settings.kv_path, "plan_secret": settings.plan_secret or secrets.token_hex(32),
         "key_scales": resolve_for_server(settings.key_scales, model_path),
-        "vllm_api_keys": settings.vllm_api_keys or api_keys_in(extra_args)})
-    if not (child.api_keys or child.anonymous_memory):
-        log.warning("no INFERSCALE_API_KEYS on %s: memory requests will be refused (401); set "
-                    "INFERSCALE_ALLOW_ANONYMOUS=true to serve them to anyone", child.server_host)
+        "vllm_api_keys": settings.vllm_api_keys or api_keys_in(extra_args),
+        "api_keys": memory_keys(settings)})
     env = {
         **settings_env(child),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",

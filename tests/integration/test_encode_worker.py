@@ -34,7 +34,7 @@ from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.forget import forget_user
-from inferscale.pipeline.kafka import ensure_topics, publish_turns
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.platform import failpoints
 from inferscale.platform.settings import Settings
 from workers.encode import EncodeWorker
@@ -63,8 +63,10 @@ def llama(tiny_models) -> str:
 
 
 async def _ingest(settings, engine, embedder, turns):
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
-    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
+    security = kafka_security(settings)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False,
+                        security=security)
     await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
     await extract_all(settings, engine, embedder)
 
@@ -537,10 +539,11 @@ async def test_a_fact_that_kills_its_worker_is_quarantined_and_the_rest_encode(
         settings, engine, tiny_models, tmp_path, monkeypatch):
     user = f"poison-{uuid.uuid4().hex[:6]}"
     texts = ["I like tea.", "I live in Oslo.", "POISON pill.", "I have a cat.", "I ride a bike."]
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    security = kafka_security(settings)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
     await publish_turns(settings.kafka_bootstrap, settings.turns_topic,
                         [turn(user, f"t{i}", "Kim", text) for i, text in enumerate(texts)],
-                        progress=False)
+                        progress=False, security=security)
     cfg = settings.model_copy(update={"model_path": tiny_models["llama"], "window": 1,
                                       "kv_dir": tmp_path / "kv", "encode_lease_s": 1.0})
     monkeypatch.setenv("INFERSCALE_FAILPOINTS", "encode.before_forward=kill@1.0~POISON")
@@ -638,7 +641,8 @@ async def test_a_fact_edited_while_encoding_leaves_no_old_kv_and_the_edit_stays(
     assert (store.durable.root / rows[edited[0]].kv_location).exists()
     live_before = [(r.id, r.text) for r in (await _live_records(engine, user, store))]
 
-    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False)
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False,
+                        security=kafka_security(settings))
     replay = settings.model_copy(update={"consumer_group": f"replay-{uuid.uuid4().hex[:6]}"})
     for worker_settings in (settings, replay):  # the redelivery, then the whole backlog again
         await IngestWorker(worker_settings, worker_settings.kafka_bootstrap, engine).run(

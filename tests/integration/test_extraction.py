@@ -18,7 +18,7 @@ from inferscale.db.extract_queue import StoredFact
 from inferscale.db.tables import facts, turns
 from inferscale.db.turns import count_user_rows
 from inferscale.pipeline.extraction import LLMExtractor, TurnExtractor, TurnInContext, get_extractor
-from inferscale.pipeline.kafka import ensure_topics, publish_turns
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.updates import Decision, LLMDecider, NewDraft, plan_updates
 from inferscale.serving.owner_index import OwnerIndex
 from workers.ingest import IngestWorker
@@ -157,8 +157,10 @@ def test_llm_decider_maps_unusable_answers_to_add():
 # --- the stage on the real Postgres ----------------------------------------------------------
 
 async def _ingest(settings, engine, events) -> None:
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
-    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, events, progress=False)
+    security = kafka_security(settings)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
+    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, events, progress=False,
+                        security=security)
     await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
 
 

@@ -17,7 +17,7 @@ from inferscale.contracts.events import InvalidEvent, TurnEvent, parse_record
 from inferscale.db.tables import turns
 from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import worker_process
-from inferscale.pipeline.kafka import ensure_topics, make_producer
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer
 from workers import ingest
 from workers.ingest import IngestWorker
 
@@ -29,8 +29,9 @@ async def test_nasty_ids_and_texts_are_stored_verbatim(settings, engine, embedde
     events = [turn(uid, "t1", "Eve", f"hello from {uid!r} \x07 with 'quotes' and \"json\" {{}}")
               for uid in NASTY_IDS]
     events.append(turn("empty-text-user", "t1", "Eve", ""))
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
-    producer = make_producer(settings.kafka_bootstrap)
+    security = kafka_security(settings)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
+    producer = make_producer(settings.kafka_bootstrap, security)
     await producer.start()
     bad = [b"", b"null", b"[]", b'{"version": 1}', json.dumps({
         "version": 1, "user_id": ["a"], "conversation_id": 5, "turn_id": None, "speaker": {},
@@ -54,14 +55,16 @@ async def test_nasty_ids_and_texts_are_stored_verbatim(settings, engine, embedde
             assert row == event.text
         assert await count_user_rows(conn, "empty-text-user") == (1, 0)  # no empty fact
         assert await count_user_rows(conn, NASTY_IDS[0]) == (1, 1)
-    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, len(bad))
+    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, len(bad),
+                            security=kafka_security(settings))
     assert sorted(r.value for r in dead) == sorted(bad)  # keyless: spread over partitions
     assert all(dict(r.headers)["reason"] for r in dead)
 
 
 async def _send(settings, records: list[tuple[bytes | None, bytes]]) -> None:
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
-    producer = make_producer(settings.kafka_bootstrap)
+    security = kafka_security(settings)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
+    producer = make_producer(settings.kafka_bootstrap, security)
     await producer.start()
     try:
         await asyncio.gather(*[await producer.send(settings.turns_topic, value, key=key)
@@ -92,7 +95,8 @@ async def test_a_value_the_database_refuses_is_dead_lettered_alone(settings, eng
     await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         assert await count_user_rows(conn, user) == (len(good), len(good))
-    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, 1)
+    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, 1,
+                            security=kafka_security(settings))
     assert [r.value for r in dead] == [bad.to_bytes()]
     assert dict(dead[0].headers)["reason"] == b"rejected by database: ProgramLimitExceededError"
     again = await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
@@ -118,7 +122,8 @@ async def test_a_parser_failure_costs_one_record_only(settings, engine, embedder
                                                                           odd]])
     stats = await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
     assert (stats.turns_stored, stats.dead_lettered) == (len(good), 2)
-    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, 2)
+    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, 2,
+                            security=kafka_security(settings))
     assert {r.value: dict(r.headers)["reason"] for r in dead} == {
         crash.to_bytes(): b"unparseable: RecursionError",
         odd.to_bytes(): b"reason with a lone surrogate \\ud800"}
@@ -191,7 +196,7 @@ async def test_worker_process_survives_poisoned_records(settings, engine, tiny_m
     await _send(cfg, records)
     with worker_process(cfg, tmp_path / "worker.log") as proc:
         dlq = await read_topic(cfg.kafka_bootstrap, cfg.dead_letter_topic, sum(dead.values()),
-                               timeout_s=240)
+                               timeout_s=240, security=kafka_security(cfg))
         for _ in range(120):
             if await _stored(engine, valid) == _natural_keys(valid):
                 break

@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from helpers import extract_all, read_topic, sample_turns
 from inferscale.db.tables import facts
 from inferscale.db.turns import count_user_rows
-from inferscale.pipeline.kafka import ensure_topics, make_producer, publish_turns
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer, publish_turns
 from inferscale.platform.settings import Settings
 from workers.ingest import IngestWorker
 
@@ -20,9 +20,10 @@ def worker(settings, engine, **kwargs) -> IngestWorker:
 
 
 async def publish(settings, turns) -> int:
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic],
+                        security=kafka_security(settings))
     return await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns,
-                               progress=False)
+                               progress=False, security=kafka_security(settings))
 
 
 async def test_locomo_conversation_stored_once_with_embeddings(settings, engine, embedder):
@@ -73,7 +74,8 @@ async def test_redelivery_after_db_commit_creates_no_duplicates(settings, engine
 async def test_two_workers_share_the_group(settings, engine, embedder):
     users = [f"pair-{uuid.uuid4().hex[:6]}-{i}" for i in range(16)]  # keys on every partition
     turns = [t for user in users for t in sample_turns(user)]
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], partitions=4)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], partitions=4,
+                        security=kafka_security(settings))
     await publish(settings, turns)
     small = settings.model_copy(update={"ingest_batch_size": 16, "drain_idle_s": 3.0})
     pair: list[IngestWorker] = []
@@ -110,8 +112,9 @@ async def test_bad_messages_go_to_dead_letter_and_good_ones_are_kept(settings, e
         (json.dumps({k: v for k, v in base.items() if k != "speaker"}).encode(), "speaker"),
         (json.dumps({**base, "turn_id": "big", "text": "x" * 20000}).encode(), "text too large"),
     ]
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic])
-    producer = make_producer(settings.kafka_bootstrap)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic],
+                        security=kafka_security(settings))
+    producer = make_producer(settings.kafka_bootstrap, kafka_security(settings))
     await producer.start()
     try:
         for turn, (raw, _) in zip(good, bad, strict=True):
@@ -124,7 +127,8 @@ async def test_bad_messages_go_to_dead_letter_and_good_ones_are_kept(settings, e
     await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         assert await count_user_rows(conn, user) == (len(good), len(good))
-    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, len(bad))
+    dead = await read_topic(settings.kafka_bootstrap, settings.dead_letter_topic, len(bad),
+                            security=kafka_security(settings))
     assert len(dead) == len(bad)
     reasons = [dict(r.headers)["reason"].decode() for r in dead]
     for (raw, expected), record, reason in zip(bad, dead, reasons, strict=True):
@@ -143,7 +147,8 @@ async def test_a_member_without_partitions_reports_a_group_that_consumes_nothing
     def gauge() -> float | None:
         return REGISTRY.get_sample_value("inferscale_worker_group_stalled")
 
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], partitions=1)
+    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], partitions=1,
+                        security=kafka_security(settings))
     turns = sample_turns()
     await publish(settings, turns)
     cfg = settings.model_copy(update={"group_stall_s": 1.0, "ingest_batch_size": 4})

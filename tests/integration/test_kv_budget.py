@@ -1,7 +1,8 @@
 """The KV budget on the real Postgres: eviction takes the least recently served users' KV (never
-a user served within the grace period), keeps text and embeddings, deletes the blobs; a request
-that meets an evicted fact gets it encoded again before the backlog; an eviction cut short
-between rows and blobs loses nothing and leaves no stale KV."""
+a fact served within the grace period, but the rest of an active user's KV like anyone's),
+keeps text and embeddings, deletes the blobs; a request that meets an evicted fact gets that fact
+encoded again before the backlog; an eviction cut short between rows and blobs loses nothing and
+leaves no stale KV."""
 
 import uuid
 from datetime import timedelta
@@ -14,7 +15,7 @@ from sqlalchemy import func, text
 from helpers import ingest_and_encode, sample_turns
 from inferscale.db.encode_queue import claim_pending_facts, count_pending_facts
 from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes, note_served
-from inferscale.db.tables import facts, memory_activity
+from inferscale.db.tables import fact_kv, facts, memory_activity
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
@@ -52,14 +53,21 @@ async def _served(engine, user, ago_s: float) -> None:
             user_id=user, served_at=func.now() - timedelta(seconds=ago_s)))
 
 
+async def _stamp(engine, fact_ids, ago_s: float) -> None:
+    """Stamp these facts as served ``ago_s`` ago by the tests' model."""
+    async with engine.begin() as conn:
+        await conn.execute(fact_kv.update().where(
+            fact_kv.c.model_fingerprint == MODEL, fact_kv.c.fact_id.in_(fact_ids)
+        ).values(served_at=func.now() - timedelta(seconds=ago_s)))
+
+
 async def _spare_others(engine, mine) -> None:
-    """Stamp every other user of the shared database as served now: within the grace period,
-    eviction leaves their KV alone."""
+    """Stamp every fact of every other user of the shared database as served now, by every
+    model: within the grace period, eviction leaves their KV alone."""
     async with engine.begin() as conn:
         await conn.execute(text("""
-            INSERT INTO memory_activity (user_id, served_at)
-            SELECT DISTINCT user_id, now() FROM facts WHERE NOT user_id = ANY(:mine)
-            ON CONFLICT (user_id) DO UPDATE SET served_at = now()"""), {"mine": list(mine)})
+            UPDATE fact_kv k SET served_at = now() FROM facts f
+            WHERE f.id = k.fact_id AND NOT f.user_id = ANY(:mine)"""), {"mine": list(mine)})
 
 
 def _blobs(store, rows) -> list[str]:
@@ -77,8 +85,9 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
     await _spare_others(engine, [never, old, recent, live])
     await _served(engine, old, 7200)
     await _served(engine, recent, 3600)
-    await _served(engine, live, 10)  # within the grace period: never evicted
+    await _served(engine, live, 10)
     rows = {u: await _rows(engine, u) for u in (never, old, recent, live)}
+    await _stamp(engine, [r.id for r in rows[live]], 10)  # within the grace period
     assert all(r.kv_location and r.kv_bytes for rs in rows.values() for r in rs)
     each = sum(r.kv_bytes for r in rows[never])
     async with engine.connect() as conn:
@@ -99,13 +108,14 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
     assert all(r.text == before.text and r.embedding is not None
                for r, before in zip(after[never], rows[never], strict=True))
 
-    # A request meets the never-served user's facts as text: all the user's evicted facts are
-    # wanted, and claimed before facts that were never encoded.
+    # A request meets the never-served user's facts as text: the facts it missed are wanted,
+    # and claimed before facts that were never encoded.
     backlog, = await _users(settings, engine, embedder, None, store, "backlog")
+    ids = [r.id for r in after[never]]
     async with engine.begin() as conn:
-        assert await note_served(conn, never, MODEL, False) == 0  # only stamped
-        assert await note_served(conn, never, MODEL, True) == FACTS_EACH  # all the user's evicted
-        assert await note_served(conn, never, MODEL, True) == 0  # once
+        assert await note_served(conn, never, MODEL, ids) == 0  # only stamped
+        assert await note_served(conn, never, MODEL, ids, ids) == FACTS_EACH  # the ones missed
+        assert await note_served(conn, never, MODEL, ids, ids) == 0  # once
     async with engine.begin() as conn:
         assert await count_pending_facts(conn, MODEL, 3, 3, never) == FACTS_EACH
         claimed = await claim_pending_facts(conn, MODEL, FACTS_EACH, 2, 3, 60, 3, "neighbours")
@@ -138,6 +148,52 @@ async def test_each_user_keeps_their_newest_encodings_within_their_budget(
     assert sum(e.nbytes for e in evicted) == sum(r.kv_bytes for r in newest_first[2:])
     async with engine.begin() as conn:  # within budget now: nothing more to evict
         assert await evict_over_budget(conn, None, budget, 600.0) == []
+
+
+async def test_an_active_user_is_held_to_the_budgets_but_keeps_the_kv_just_served(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    """Served continuously, a user still loses all but the KV served within the grace (at most
+    k facts a request) to their budget and to the tier's."""
+    settings = settings.model_copy(update={"window": 2})
+    store = KVStore(LocalDir(tmp_path / "kv"), MODEL, host_bytes=0)
+    active, = await _users(settings, engine, embedder, tiny_encoder, store, "active")
+    await _spare_others(engine, [active])
+    rows = sorted(await _rows(engine, active), key=lambda r: r.encoded_at)
+    oldest, newest = rows[0], rows[-1]
+    async with engine.begin() as conn:  # a request served the user's oldest fact just now
+        await note_served(conn, active, MODEL, [oldest.id])
+    async with engine.begin() as conn:  # it stays, and the newest encoding within the budget
+        evicted = await evict_over_budget(conn, None, oldest.kv_bytes + newest.kv_bytes, 600.0)
+    assert {e.id for e in evicted} == {r.id for r in rows[1:-1]}
+    async with engine.begin() as conn:  # the tier's budget: all but what was just served goes
+        evicted = await evict_over_budget(conn, 0, None, 600.0)
+    assert [e.id for e in evicted] == [newest.id]
+    assert [r.id for r in await _rows(engine, active) if r.kv_location] == [oldest.id]
+    await _stamp(engine, [oldest.id], 3600)  # past the grace, the user still the latest served
+    async with engine.begin() as conn:
+        assert [e.id for e in await evict_over_budget(conn, None, 0, 600.0)] == [oldest.id]
+
+
+async def test_a_miss_wants_back_only_the_facts_it_missed(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    settings = settings.model_copy(update={"window": 2})
+    store = KVStore(LocalDir(tmp_path / "kv"), MODEL, host_bytes=0)
+    user, = await _users(settings, engine, embedder, tiny_encoder, store, "miss")
+    await _spare_others(engine, [user])
+    async with engine.begin() as conn:
+        evicted = await evict_over_budget(conn, None, 0, 600.0)
+    assert len(evicted) == FACTS_EACH
+    store.delete([e.location for e in evicted])
+    rows = await _rows(engine, user)
+    served, missed = [r.id for r in rows[:2]], rows[0].id
+    async with engine.begin() as conn:
+        assert await note_served(conn, user, MODEL, served, [missed]) == 1
+    after = await _rows(engine, user)
+    assert [r.id for r in after if r.kv_wanted_at] == [missed]
+    assert [r.id for r in after if r.served_at] == served
+    stats = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    assert stats.restored == 1
+    assert [r.id for r in await _rows(engine, user) if r.kv_location] == [missed]
 
 
 async def test_an_eviction_cut_short_before_its_blobs_loses_nothing(

@@ -207,13 +207,17 @@ async def test_evicted_facts_are_served_as_text_and_come_back_as_kv(
     user = await _user(tiny_served, settings, engine, embedder, encoder, store,
                        "I am a marine biologist at the evicted city aquarium.")
     text = tiny_served.chat(user, question, k=1, mode="text", **kwargs)
-    async with engine.begin() as conn:  # every other user counts as served just now
+    stamped = "SELECT count(*) FROM fact_kv k JOIN facts f ON f.id = k.fact_id " \
+              "WHERE f.user_id = :user AND k.served_at IS NOT NULL"
+    for _ in range(100):  # the server stamps the facts it served in the background
+        async with engine.connect() as conn:
+            if (await conn.execute(sa_text(stamped), {"user": user})).scalar_one():
+                break
+        await asyncio.sleep(0.1)
+    async with engine.begin() as conn:  # every other user's KV counts as served just now
         await conn.execute(sa_text(
-            "INSERT INTO memory_activity (user_id, served_at) SELECT DISTINCT user_id, now() "
-            "FROM facts WHERE user_id <> :user ON CONFLICT (user_id) DO UPDATE "
-            "SET served_at = now()"), {"user": user})
-        await conn.execute(sa_text("DELETE FROM memory_activity WHERE user_id = :user"),
-                           {"user": user})
+            "UPDATE fact_kv k SET served_at = CASE WHEN f.user_id = :user THEN NULL "
+            "ELSE now() END FROM facts f WHERE f.id = k.fact_id"), {"user": user})
         evicted = await evict_over_budget(conn, None, 0, grace_s=600.0)
     assert [e.user_id for e in evicted] == [user]
     await asyncio.to_thread(store.delete, [e.location for e in evicted])

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from conftest import SUITE_KEY
 from inferscale.client import MemoryClient
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -32,7 +33,7 @@ def test_the_inspector_shows_searches_asks_and_edits_memory(served, browser):
     horse = memory.add_fact(user, "Ines's horse is called Biscuit and she is twelve.")
     school = memory.add_fact(user, "Ines teaches chemistry at a school in Porto.")
     page = browser.new_page()
-    page.goto(f"{served.url}/memory")
+    page.goto(f"{served.url}/memory#key={SUITE_KEY}")  # the link `inferscale serve` prints
     page.fill("#user", user)
     page.click("#load")
     rows = page.locator("#facts tbody tr")

@@ -5,10 +5,12 @@ as KV once encoded, never the old one), deleted and traced through their history
 requests get a 4xx and change nothing."""
 
 import uuid
+from urllib.parse import quote
 
 import httpx
 import pytest
 
+from conftest import AUTH
 from helpers import ingest_and_encode, turn
 from inferscale.client import AsyncMemoryClient, MemoryAPIError, MemoryClient
 from workers.encode import EncodeWorker
@@ -115,28 +117,32 @@ async def test_hostile_memory_api_requests_get_4xx_and_change_nothing(served, sm
     before = memory.list_facts(user)["facts"]
     theirs = memory.list_facts(other)["facts"][0]["id"]
     base = f"{served.url}/v1/memory/users/{user}"
+    http = httpx.Client(headers=AUTH, timeout=60)
     refused = [
-        httpx.get(f"{base}/facts/{theirs}"),  # another owner's fact
-        httpx.patch(f"{base}/facts/{theirs}", json={"text": "mine now"}),
-        httpx.delete(f"{base}/facts/{theirs}"),
-        httpx.get(f"{base}/facts/{theirs}/history"),
-        httpx.get(f"{base}/facts", params={"limit": 10**9}),  # huge page
-        httpx.get(f"{base}/facts", params={"limit": 0}),
-        httpx.get(f"{base}/facts", params={"cursor": "not a cursor"}),
-        httpx.get(f"{base}/facts", params={"cursor": "YWZ0ZXI6LTE="}),  # after:-1
-        httpx.get(f"{base}/facts/abc"),
-        httpx.get(f"{base}/facts/{2**70}"),
-        httpx.patch(f"{base}/facts/{before[0]['id']}", json={"text": ""}),
-        httpx.patch(f"{base}/facts/{before[0]['id']}", json={"text": "x" * 5000}),
-        httpx.patch(f"{base}/facts/{before[0]['id']}", json={"text": "ok", "user": "x"}),
-        httpx.patch(f"{base}/facts/{before[0]['id']}", content=b"{not json"),
-        httpx.post(f"{base}/search", json={"query": "horse", "k": 10**6}),
-        httpx.post(f"{base}/search", json={"query": ""}),
-        httpx.post(f"{base}/turns", json={"turns": []}),
-        httpx.get(f"{served.url}/v1/memory/users/{'u' * 300}/facts"),
+        http.get(f"{base}/facts/{theirs}"),  # another owner's fact
+        http.patch(f"{base}/facts/{theirs}", json={"text": "mine now"}),
+        http.delete(f"{base}/facts/{theirs}"),
+        http.get(f"{base}/facts/{theirs}/history"),
+        http.get(f"{base}/facts", params={"limit": 10**9}),  # huge page
+        http.get(f"{base}/facts", params={"limit": 0}),
+        http.get(f"{base}/facts", params={"cursor": "not a cursor"}),
+        http.get(f"{base}/facts", params={"cursor": "YWZ0ZXI6LTE="}),  # after:-1
+        http.get(f"{base}/facts/abc"),
+        http.get(f"{base}/facts/{2**70}"),
+        http.patch(f"{base}/facts/{before[0]['id']}", json={"text": ""}),
+        http.patch(f"{base}/facts/{before[0]['id']}", json={"text": "x" * 5000}),
+        http.patch(f"{base}/facts/{before[0]['id']}", json={"text": "ok", "user": "x"}),
+        http.patch(f"{base}/facts/{before[0]['id']}", content=b"{not json"),
+        http.post(f"{base}/search", json={"query": "horse", "k": 10**6}),
+        http.post(f"{base}/search", json={"query": ""}),
+        http.post(f"{base}/turns", json={"turns": []}),
+        http.get(f"{served.url}/v1/memory/users/{'u' * 300}/facts"),
+        *(http.get(f"{served.url}/v1/memory/users/{quote(bad, safe='')}/facts")
+          for bad in ("a\0b", "tab\tuser", "bell\x07", "del\x7f")),  # control characters
     ]
-    for response in refused:
+    for response in refused:  # refused for what they ask, not for who asks
         assert 400 <= response.status_code < 500, (response.request.url, response.text)
+        assert response.status_code not in (401, 403), (response.request.url, response.text)
     assert memory.list_facts(user)["facts"] == before
     assert memory.get_fact(other, theirs)["id"] == theirs
 
@@ -184,13 +190,15 @@ async def test_scopes_never_leak_across_agents_runs_or_users(served, smol, cfg, 
     assert set(_served_ids(served.chat(user, question, k=5))) == set(ids.values())
 
     base = f"{served.url}/v1/memory/users/{user}"
-    for response in [httpx.get(f"{base}/facts", params={"agent_id": ""}),
-                     httpx.get(f"{base}/facts", params={"run_id": "r" * 300}),
-                     httpx.post(f"{base}/search", json={"query": "horse", "agent_id": 5}),
-                     httpx.post(f"{base}/search", json={"query": "horse", "run_id": "a\0b"}),
-                     httpx.post(f"{base}/turns", json={"turns": [said("t9", "x")],
+    http = httpx.Client(headers=AUTH, timeout=60)
+    for response in [http.get(f"{base}/facts", params={"agent_id": ""}),
+                     http.get(f"{base}/facts", params={"run_id": "r" * 300}),
+                     http.post(f"{base}/search", json={"query": "horse", "agent_id": 5}),
+                     http.post(f"{base}/search", json={"query": "horse", "run_id": "a\0b"}),
+                     http.post(f"{base}/turns", json={"turns": [said("t9", "x")],
                                                        "agent_id": ""}),
                      served.chat(user, question, headers={"x-inferscale-run-id": "a" * 257})]:
         assert 400 <= response.status_code < 500, (response.request.url, response.text)
+        assert response.status_code not in (401, 403), (response.request.url, response.text)
     assert [(f["id"], f["text"]) for f in memory.list_facts(user)["facts"]] == [
         (f["id"], f["text"]) for f in listed]  # the chats paged KV in: tiers moved, not facts

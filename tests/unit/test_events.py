@@ -80,6 +80,9 @@ def _raw(**fields) -> bytes:
         (_raw(timestamp="yesterday"), "timestamp"),
         (_raw(speaker=7), "speaker"),
         (_raw(user_id="a\x00b"), "NUL"),
+        (_raw(user_id="a\tb"), "user_id"),  # no control characters in ids
+        (_raw(user_id="esc\x1b[31m"), "user_id"),
+        (_raw(version=2, agent_id="a\x7f"), "agent_id"),
         (None, "empty message"),
         # Named regressions: each of these used to crash the worker on every redelivery.
         (_raw().replace(b'"t1"', b"1" + b"0" * 4999), "invalid json: number too large"),

@@ -42,9 +42,8 @@ async def _call(frontend, body: dict, headers: dict[str, str],
 
 @pytest.fixture
 def frontend():
-    app = MemoryFrontend(_downstream)
-    app.settings = _settings(api_keys={"key-a": ["alice"], "key-admin": ["*"]})
-    return app
+    return MemoryFrontend(_downstream, _settings(api_keys={"key-a": ["alice"],
+                                                           "key-admin": ["*"]}))
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -69,23 +68,21 @@ async def test_requests_without_owner_pass_untouched(frontend):
 
 @pytest.mark.parametrize(("settings", "status"), [
     (_settings(server_host="0.0.0.0"), 401),  # no keys, reachable from outside: refused
+    (_settings(server_host="127.0.0.1"), 401),  # nor on loopback: never implied by the address
     (_settings(server_host="0.0.0.0", allow_anonymous=True), 200),  # an explicit choice
-    (_settings(server_host="127.0.0.1", allow_anonymous=False), 401),
 ])
 async def test_anonymous_memory_is_an_explicit_choice(settings, status):
-    app = MemoryFrontend(_downstream)
-    app.settings = settings
+    app = MemoryFrontend(_downstream, settings)
     code, body = await _call(app, {**CHAT, "user": "alice", "inferscale": {"mode": "none"}}, {})
     if status == 401:
-        assert code == 401 and "API key" in body["error"]["message"]
+        assert code == 401 and body["error"]["type"] == "authentication_error"
     else:
         assert code == 503  # got past the key check into the memory machinery (no model)
 
 
 async def test_vllm_api_key_is_checked_before_any_memory_work(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "vllm-secret")
-    app = MemoryFrontend(_downstream)
-    app.settings = _settings(allow_anonymous=True)
+    app = MemoryFrontend(_downstream, _settings(allow_anonymous=True))
     code, _ = await _call(app, {**CHAT, "user": "alice"}, {})
     assert code == 401
     code, body = await _call(app, CHAT, {"authorization": "Bearer vllm-secret"})
@@ -106,15 +103,18 @@ async def test_refused_kv_transfer_params_anywhere(frontend):
      {"authorization": "Bearer key-a"}, 403),
     (_settings(api_keys={"key-a": ["alice"], "root": ["*"]}),
      {"authorization": "Bearer root"}, 200),
-    (_settings(server_host="0.0.0.0"), {}, 401),
-    (_settings(), {}, 200),  # loopback, no keys: the anonymous policy applies here too
+    (_settings(api_keys={"reader": {"owners": ["*"], "read_only": True}}),
+     {"authorization": "Bearer reader"}, 403),
+    (_settings(api_keys={"agent": {"owners": ["*"], "agents": ["a"]}}),
+     {"authorization": "Bearer agent"}, 403),
+    (_settings(), {}, 401),  # no keys: refused, on loopback too
+    (_settings(allow_anonymous=True), {}, 200),  # the anonymous policy applies here too
 ])
 async def test_engine_control_routes_need_an_admin_key(settings, headers, status):
-    app = MemoryFrontend(_downstream)
-    app.settings = settings
+    app = MemoryFrontend(_downstream, settings)
     body = {"new_data_parallel_size": 2}
     for path in ("/scale_elastic_ep", "/sleep", "/collective_rpc", "/v1/load_lora_adapter"):
         code, answer = await _call(app, body, headers, path=path)
         assert code == status, (path, answer)
         if status != 200:
-            assert "admin key" in answer["error"]["message"]
+            assert answer["error"]["type"] in ("authentication_error", "permission_error")

@@ -7,6 +7,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from inferscale.platform.settings import Settings
+from inferscale.serving.access import Access
 from inferscale.serving.memory_api import _after, _cursor, build_router
 
 
@@ -15,6 +16,7 @@ class _NoDatabase:
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        self.access = Access(settings)
         self.reached = 0
 
     async def runtime(self):

@@ -19,7 +19,7 @@ from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
-from inferscale.pipeline.kafka import ensure_topics, make_producer
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer
 from inferscale.platform.model_prep import resolve_model_path
 from inferscale.platform.settings import Settings
 
@@ -28,7 +28,7 @@ async def _fresh(settings: Settings, url: str, n: int, poll_s: float) -> list[di
     user = f"fresh-{uuid.uuid4().hex[:6]}"
     engine = create_engine(settings.database_url)
     model = model_fingerprint(resolve_model_path(settings))  # the worker's and the server's
-    producer = make_producer(resolve_kafka_bootstrap(settings))
+    producer = make_producer(resolve_kafka_bootstrap(settings), kafka_security(settings))
     await producer.start()
     results = []
     try:
@@ -95,7 +95,8 @@ def run(settings: Settings, out_dir: Path, n: int = 20, poll_s: float = 0.05) ->
     settings = prepare(settings)
     with worker_process(settings, out_dir / "worker.log"), server_process(
             settings, out_dir / "server.log") as url:
-        asyncio.run(ensure_topics(resolve_kafka_bootstrap(settings), [settings.turns_topic]))
+        asyncio.run(ensure_topics(resolve_kafka_bootstrap(settings), [settings.turns_topic],
+                                  security=kafka_security(settings)))
         results = asyncio.run(_fresh(settings, url, n, poll_s))
     used = [r["used_as_text_s"] for r in results]
     injected = [r["injected_s"] for r in results if r["injected_s"] is not None]

@@ -16,7 +16,7 @@ from inferscale.db.tables import fact_kv, facts, turns
 from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
-from inferscale.pipeline.kafka import ensure_topics, publish_turns
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import read_turns
 from inferscale.platform.model_prep import resolve_model_path
 from inferscale.platform.settings import Settings
@@ -27,11 +27,13 @@ async def _one_run(settings: Settings, events, timeout_s: float) -> dict:
     model = model_fingerprint(resolve_model_path(settings))  # the workers'
     users = sorted({e.user_id for e in events})
     try:
-        bootstrap = resolve_kafka_bootstrap(settings)
-        await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic])
+        bootstrap, security = resolve_kafka_bootstrap(settings), kafka_security(settings)
+        await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic],
+                            security=security)
         published = time.time()
         t0 = time.perf_counter()
-        await publish_turns(bootstrap, settings.turns_topic, events, progress=False)
+        await publish_turns(bootstrap, settings.turns_topic, events, progress=False,
+                            security=security)
         stored_at = encoded_at = None
         n_encoded = 0
         while time.perf_counter() - t0 < timeout_s:

@@ -27,7 +27,7 @@ from inferscale.devstack.stack import server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.lab.bench.throughput import poisson_load
 from inferscale.lab.bench.ttft import ingest_user, prepare_user
-from inferscale.pipeline.kafka import make_producer
+from inferscale.pipeline.kafka import kafka_security, make_producer
 from inferscale.pipeline.sources import read_turns
 from inferscale.platform.model_prep import resolve_model_path
 from inferscale.platform.settings import Settings
@@ -38,7 +38,7 @@ async def generate_turns(settings: Settings, texts: list[str], prefix: str, user
                          ) -> dict[tuple[str, str], float]:
     """Publish turns round-robin over ``users`` at ``rate`` per second; returns the publish
     wall-clock time of each (user, turn id)."""
-    producer = make_producer(resolve_kafka_bootstrap(settings))
+    producer = make_producer(resolve_kafka_bootstrap(settings), kafka_security(settings))
     await producer.start()
     published: dict[tuple[str, str], float] = {}
     began = time.monotonic()

@@ -20,7 +20,7 @@ from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
 from inferscale.lab.bench.common import auto_costs, percentile, print_table, write_report
 from inferscale.lab.bench.cpu import per_process, thread_times
-from inferscale.pipeline.kafka import ensure_topics, publish_turns
+from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import read_turns
 from inferscale.platform.settings import Settings
 
@@ -165,9 +165,10 @@ def ingest_user(settings: Settings, user: str, turns: list) -> float:
     """Publish the user's turns and wait until every fact is encoded (a worker must run)."""
 
     async def go() -> float:
-        bootstrap = resolve_kafka_bootstrap(settings)
-        await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic])
-        await publish_turns(bootstrap, settings.turns_topic, turns)
+        bootstrap, security = resolve_kafka_bootstrap(settings), kafka_security(settings)
+        await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic],
+                            security=security)
+        await publish_turns(bootstrap, settings.turns_topic, turns, security=security)
         engine = create_engine(settings.database_url)
         try:
             return await wait_encoded(engine, user, len(turns), settings)
