@@ -51,8 +51,8 @@ def test_the_inspector_shows_searches_asks_and_edits_memory(served, browser):
         page.fill("#question", "What is the name of Ines's horse?")
         page.evaluate("document.querySelectorAll('.answers .meta').forEach(e => e.textContent='')")
         page.click("#ask")
-        page.wait_for_function(
-            "document.querySelector('#text .meta').textContent.includes('facts used')")
+        # locator waits: the page's CSP allows no eval, which wait_for_function needs
+        page.locator("#text .meta", has_text="facts used").wait_for()
         inject = page.locator("#inject")
         return (inject.locator(".answer").inner_text(), inject.get_attribute("data-fact-ids"),
                 page.locator("#text").get_attribute("data-fact-ids"))
@@ -64,7 +64,7 @@ def test_the_inspector_shows_searches_asks_and_edits_memory(served, browser):
     page.once("dialog", lambda dialog: dialog.accept("Ines's horse is called Pickles and she "
                                                      "is twelve."))
     rows.nth(0).locator("button.edit").click()
-    page.wait_for_function("document.querySelector('#status').textContent.includes('replaced')")
+    page.locator("#status", has_text="replaced").wait_for()
     new_id = memory.history(user, horse["id"])[-1]["id"]
     assert new_id != horse["id"]
     page.locator(f"#facts tbody tr[data-id='{new_id}']").wait_for()

@@ -255,7 +255,7 @@ def test_control_characters_in_ids_are_client_errors_everywhere(served, bad):
     assert httpx.delete(base, headers=AUTH, timeout=60).status_code == 400
     forget = httpx.post(f"{served.url}/v1/memory/forget", json={"user": bad}, headers=AUTH,
                         timeout=60)
-    assert forget.status_code == 422
+    assert forget.status_code == 400  # vLLM answers a schema refusal 400
     for chat in (served.chat(bad, "hi"), served.chat(None, "hi", headers={
             "x-inferscale-user": bad.replace("\n", "\t")}) if "\n" in bad else
             served.chat("ok", "hi", inferscale={"agent_id": bad})):
