@@ -21,8 +21,10 @@ from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_produc
 from workers import ingest
 from workers.ingest import IngestWorker
 
-NASTY_IDS = ["'; DROP TABLE turns; --", 'user"}, {"x": 1', "ünï\u200bcødé 🧠", "tab\tnew\nline",
-             "ctrl\x01\x1f", "%s %(x)s {0} $1", "../../etc/passwd"]
+NASTY_IDS = ["'; DROP TABLE turns; --", 'user"}, {"x": 1', "ünï\u200bcødé 🧠",
+             "%s %(x)s {0} $1", "../../etc/passwd"]
+# Owner ids with control characters are no ids (contracts/scope.py): dead-lettered, not stored.
+CONTROL_IDS = ["tab\tnew\nline", "ctrl\x01\x1f", "nul\x00"]
 
 
 async def test_nasty_ids_and_texts_are_stored_verbatim(settings, engine, embedder):
@@ -36,17 +38,23 @@ async def test_nasty_ids_and_texts_are_stored_verbatim(settings, engine, embedde
     bad = [b"", b"null", b"[]", b'{"version": 1}', json.dumps({
         "version": 1, "user_id": ["a"], "conversation_id": 5, "turn_id": None, "speaker": {},
         "text": 3, "timestamp": "x"}).encode(), b"\xff" * 100]
+    control = [(uid.encode(), json.dumps({  # keyed as a producer keys them
+        "version": 1, "user_id": uid, "conversation_id": "c", "turn_id": "t1",
+        "speaker": "Eve", "text": "hi", "timestamp": "2025-01-01T00:00:00Z"}).encode())
+        for uid in CONTROL_IDS]
     try:
         for event in events:
             await producer.send_and_wait(settings.turns_topic, event.to_bytes(),
                                          key=event.user_id.encode())
         for raw in bad:
             await producer.send_and_wait(settings.turns_topic, raw)
+        for key, raw in control:
+            await producer.send_and_wait(settings.turns_topic, raw, key=key)
     finally:
         await producer.stop()
     stats = await IngestWorker(settings, settings.kafka_bootstrap, engine).run(
         drain=True)
-    assert stats.dead_lettered == len(bad)
+    assert stats.dead_lettered == len(bad) + len(control)
     await extract_all(settings, engine, embedder)
     async with engine.connect() as conn:
         for event in events:
