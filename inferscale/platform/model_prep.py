@@ -104,7 +104,11 @@ def prepare_model(output: Path, model: str = DEFAULT_MODEL, dtype: str = "bfloat
     cache = tmp.with_name(output.name + ".gguf")
     source = shipped.gguf(cache)
     log.info("converting %s to %s (%s)", source.name, output, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    # local_files_only always: transformers writes it into tokenizer_config.json, so a folder
+    # prepared where HF_HUB_OFFLINE happened to be set would otherwise differ (and so would its
+    # fingerprint) from one prepared elsewhere.
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name,
+                                              local_files_only=True)
     model_ = AutoModelForCausalLM.from_pretrained(
         source.parent, gguf_file=source.name, dtype=getattr(torch, dtype),
         quantization_config=GgufConfig(dequantize=True),

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from inferscale.contracts.plan import PLAN_KEY, sign
@@ -165,8 +165,8 @@ class MemoryFrontend:
                 M.auto_recompute.labels(outcome).inc()
                 return await self.app(_with_length(scope, body), client.receiver(body),
                                       _adding(send, answered))
-            gate = await self._gated_attempt(scope, client, send, body, step, answered,
-                                             margin_header)
+            gate = await self._decided_attempt(scope, client, send, body, step, answered,
+                                               margin_header)
             if not gate.abandoned:
                 if gate.decision is not None:
                     M.auto_recompute.labels(outcome).inc()
@@ -180,6 +180,23 @@ class MemoryFrontend:
             except Exception as exc:  # noqa: BLE001 - as for the first attempt
                 log.exception("memory front end failed composing a recompute")
                 return await _error(send, 503, f"memory unavailable: {type(exc).__name__}")
+
+    async def _decided_attempt(self, scope, client: _Downstream, send, body: bytes,
+                               auto: AutoRecompute, headers: dict[str, str], margin_header: str
+                               ) -> FirstTokenGate:
+        """An attempt behind a gate. Non-streamed, a one-token probe decides first (abandoned,
+        a non-streamed answer would have run to its ``max_tokens``); kept, the answer is then
+        generated once, over the probe's prefix-cached blocks, through a gate that keeps it.
+        Where the probe gives no decision (an error), the attempt runs gated as it is."""
+        probe = _one_token(body)
+        if probe is not None:
+            trial = await self._gated_attempt(scope, client, _discard, probe, auto, headers,
+                                              margin_header)
+            if trial.abandoned:
+                return trial
+            if trial.decision is not None:
+                auto = replace(auto, threshold=0.0)
+        return await self._gated_attempt(scope, client, send, body, auto, headers, margin_header)
 
     async def _gated_attempt(self, scope, client: _Downstream, send, body: bytes,
                              auto: AutoRecompute, headers: dict[str, str], margin_header: str
@@ -427,6 +444,22 @@ class _Downstream:
     def close(self) -> None:
         if self._pending is not None:
             self._pending.cancel()
+
+
+def _one_token(body: bytes) -> bytes | None:
+    """A non-streamed request made to generate one token (None: a streamed request, whose
+    gate aborts it at its first token anyway)."""
+    data = json.loads(body)
+    if data.get("stream"):
+        return None
+    data["max_tokens"] = 1
+    if "max_completion_tokens" in data:
+        data["max_completion_tokens"] = 1
+    return json.dumps(data).encode()
+
+
+async def _discard(_message: dict) -> None:
+    """The ``send`` of a probe: the client never sees it."""
 
 
 def _with_length(scope: dict, body: bytes) -> dict:

@@ -319,7 +319,7 @@ async def test_server_restart_while_ingesting_loses_no_fact(served, cfg, engine,
         await asyncio.to_thread(served.stop)
         await publish_turns(cfg.kafka_bootstrap, cfg.turns_topic, said[5:], progress=False)
         await asyncio.to_thread(served.start)
-        await wait_encoded(engine, user, len(said), timeout_s=300, progress=False)
+        await wait_encoded(engine, user, len(said), cfg, timeout_s=300, progress=False)
     response = served.chat(user, "What does Ada keep in her lockers?", k=len(said))
     assert response.status_code == 200
     assert response.headers["x-inferscale-facts"] == str(len(said))
@@ -554,6 +554,19 @@ async def test_recompute_auto_keeps_a_sure_answer_and_recomputes_an_unsure_one(s
         chunks = [line async for line in response.aiter_lines() if line.startswith("data: {")]
     assert len(chunks) > 32
     assert metric(served, "vllm:generation_tokens_total") - generated - 64 < 16
+    # Non-streamed, the abandoned attempt is a one-token probe, not a 64-token answer.
+    generated = metric(served, "vllm:generation_tokens_total")
+    whole = httpx.post(f"{served.url}/v1/chat/completions", json={**body, "stream": False},
+                       headers=AUTH, timeout=120)
+    assert whole.headers["x-inferscale-recompute-auto"] == "recomputed"
+    assert whole.json()["usage"]["completion_tokens"] == 64
+    assert metric(served, "vllm:generation_tokens_total") - generated - 64 < 16
+    kept = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+        **body, "stream": False, "inferscale": {"k": 5, "recompute": "auto",
+                                                "recompute_margin": 0}})
+    assert kept.headers["x-inferscale-recompute-auto"] == "kept"
+    assert kept.json()["usage"]["completion_tokens"] == 64
+    assert kept.json()["choices"][0]["logprobs"] is None  # the probe's logprobs stay ours
     refused = served.chat(user, question, inferscale={"recompute": "auto",
                                                       "recompute_margin": -1})
     assert refused.status_code == 400
