@@ -25,6 +25,7 @@ import pytest
 
 from inferscale.db import migrate
 from inferscale.devstack import infra
+from inferscale.platform import endpoints
 from inferscale.platform.local_key import KEY_ENV, key_path
 from inferscale.platform.settings import Settings
 
@@ -299,7 +300,7 @@ def _moto_server():
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
-        while not infra._port_open(port):
+        while not endpoints.port_open(port):
             assert moto.poll() is None and time.monotonic() < deadline, "moto_server died"
             time.sleep(0.1)
         yield {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",

@@ -12,7 +12,6 @@ from typing import Any
 from inferscale.db.encode_queue import count_pending_facts
 from inferscale.db.engine import create_engine
 from inferscale.db.extract_queue import count_unextracted_turns
-from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.kv.encoder import FactEncoder
 from inferscale.pipeline.embedder import load_embedder
 from inferscale.pipeline.extraction import Extractor, get_extractor
@@ -20,6 +19,7 @@ from inferscale.pipeline.generators import JsonGenerator, LocalJsonGenerator, Op
 from inferscale.pipeline.invalidation import publish_invalidation
 from inferscale.pipeline.kafka import kafka_security
 from inferscale.pipeline.updates import Decide, LLMDecider
+from inferscale.platform.endpoints import resolve_kafka_bootstrap
 from inferscale.platform.settings import Settings
 from workers.encode import EncodeWorker, open_encoder_and_store
 from workers.extract import ExtractWorker

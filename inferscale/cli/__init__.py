@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - a CLI prints the error, not a traceback
-        from inferscale.devstack.infra import InfraError
+        from inferscale.platform.endpoints import InfraError
 
         if isinstance(exc, InfraError | FileNotFoundError | ValueError):
             print(f"error: {exc}", file=sys.stderr)

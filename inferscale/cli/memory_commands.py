@@ -11,9 +11,9 @@ from inferscale.platform.settings import Settings
 
 
 def _publish(args: argparse.Namespace, settings: Settings) -> int:
-    from inferscale.devstack.infra import resolve_kafka_bootstrap
     from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
     from inferscale.pipeline.sources import read_turns
+    from inferscale.platform.endpoints import resolve_kafka_bootstrap
 
     bootstrap = resolve_kafka_bootstrap(settings)
     topic = args.topic or settings.turns_topic
@@ -46,11 +46,11 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
         return 0
 
     from inferscale.db.engine import create_engine
-    from inferscale.devstack.infra import resolve_kafka_bootstrap
     from inferscale.kv.store import KVStore
     from inferscale.pipeline.forget import forget_user
     from inferscale.pipeline.invalidation import publish_invalidation
     from inferscale.pipeline.kafka import kafka_security
+    from inferscale.platform.endpoints import resolve_kafka_bootstrap
 
     async def go():
         engine = create_engine(settings=settings)

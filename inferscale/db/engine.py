@@ -12,7 +12,7 @@ def resolve_database_url(settings: Settings | None = None) -> str:
     settings = settings or get_settings()
     if settings.database_url:
         return settings.database_url
-    from inferscale.devstack.infra import embedded_database_url
+    from inferscale.platform.endpoints import embedded_database_url
 
     return embedded_database_url(settings)
 

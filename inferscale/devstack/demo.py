@@ -23,6 +23,7 @@ from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import read_turns
+from inferscale.platform.endpoints import resolve_kafka_bootstrap
 from inferscale.platform.settings import Settings
 from inferscale.serving.request_options import default_recompute
 
@@ -36,7 +37,7 @@ def say(message: str) -> None:
 
 
 async def _publish(settings: Settings, turns) -> None:
-    bootstrap, security = infra.resolve_kafka_bootstrap(settings), kafka_security(settings)
+    bootstrap, security = resolve_kafka_bootstrap(settings), kafka_security(settings)
     await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic],
                         security=security)
     await publish_turns(bootstrap, settings.turns_topic, turns, security=security)

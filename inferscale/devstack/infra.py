@@ -14,49 +14,31 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from inferscale.platform.endpoints import (
+    DATABASE_NAME,
+    Endpoints,
+    InfraError,
+    endpoints,
+    port_open,
+    read_state,
+    running,
+    state_file,
+)
 from inferscale.platform.procs import pid_alive
 from inferscale.platform.settings import Settings
 
 PG_USER_WHEN_ROOT = "inferscale_pg"
-DATABASE_NAME = "inferscale"
-
-
-class InfraError(RuntimeError):
-    """The embedded infrastructure cannot be started, found or stopped."""
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """Where clients reach the broker and the database."""
-
-    kafka_bootstrap: str
-    database_url: str
-
-
-def _state_file(settings: Settings) -> Path:
-    return settings.infra_dir / "state.json"
-
-
-def _read_state(settings: Settings) -> dict:
-    path = _state_file(settings)
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _write_state(settings: Settings, state: dict) -> None:
-    path = _state_file(settings)
+    path = state_file(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(path)
-
-
-def _port_open(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
 
 
 def _free_port() -> int:
@@ -68,7 +50,7 @@ def _free_port() -> int:
 def _wait_port(port: int, timeout_s: float, what: str, log: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if _port_open(port):
+        if port_open(port):
             return
         time.sleep(0.05)
     tail = log.read_text()[-2000:] if log.exists() else ""
@@ -92,7 +74,7 @@ def tansu_binary() -> Path:
 
 def _start_kafka(settings: Settings, port: int) -> dict:
     """tansu on ``port`` with the configured storage engine (``s3://`` reads the AWS_* env)."""
-    if _port_open(port):
+    if port_open(port):
         raise InfraError(f"cannot start tansu: port {port} is already taken")
     log = settings.infra_dir / "tansu.log"
     url = f"tcp://127.0.0.1:{port}"
@@ -174,7 +156,7 @@ def _pg_pid(pgdata: Path) -> int | None:
 
 
 def _start_postgres(settings: Settings, port: int) -> dict:
-    if _port_open(port):
+    if port_open(port):
         raise InfraError(f"cannot start Postgres: port {port} is already taken")
     pgdata = settings.infra_dir / "pgdata"
     pgdata.mkdir(parents=True, exist_ok=True)
@@ -219,35 +201,31 @@ def _stop_pid(pid: int, sig: int = signal.SIGINT, timeout_s: float = 10) -> None
 # --- Public API -------------------------------------------------------------------------------
 
 
-def _running(entry: dict | None) -> bool:
-    return bool(entry and pid_alive(entry.get("pid")) and _port_open(entry["port"]))
-
-
 def up(settings: Settings, kafka_port: int = 0, postgres_port: int = 0) -> Endpoints:
     """Start (or reuse) the embedded broker and Postgres; returns their endpoints."""
     start_kafka(settings, kafka_port)
-    state = _read_state(settings)
-    if not _running(state.get("postgres")):
+    state = read_state(settings)
+    if not running(state.get("postgres")):
         state["postgres"] = _start_postgres(settings, postgres_port or _free_port())
         _write_state(settings, state)
-    return _endpoints(state)
+    return endpoints(state)
 
 
 def down(settings: Settings) -> None:
     """Stop the embedded broker and Postgres (data of the memory broker is lost)."""
-    state = _read_state(settings)
+    state = read_state(settings)
     if pg := state.get("postgres"):
         _stop_postgres(pg)
     if kafka := state.get("kafka"):
         _stop_pid(kafka["pid"])
-    _state_file(settings).unlink(missing_ok=True)
+    state_file(settings).unlink(missing_ok=True)
 
 
 def start_kafka(settings: Settings, port: int = 0) -> str:
     """Start (or reuse) only the embedded broker; returns its bootstrap address."""
     settings.infra_dir.mkdir(parents=True, exist_ok=True)
-    state = _read_state(settings)
-    if not _running(state.get("kafka")):
+    state = read_state(settings)
+    if not running(state.get("kafka")):
         state["kafka"] = _start_kafka(settings, port or _free_port())
         _write_state(settings, state)
     return f"127.0.0.1:{state['kafka']['port']}"
@@ -256,7 +234,7 @@ def start_kafka(settings: Settings, port: int = 0) -> str:
 def restart_kafka(settings: Settings) -> None:
     """Stop the embedded broker and start it again on the same port: for fault drills (only a
     durable ``kafka_storage`` such as ``s3://`` keeps the topics across it)."""
-    state = _read_state(settings)
+    state = read_state(settings)
     entry = state["kafka"]
     _stop_pid(entry["pid"])
     state["kafka"] = _start_kafka(settings, entry["port"])
@@ -265,50 +243,21 @@ def restart_kafka(settings: Settings) -> None:
 
 def restart_postgres(settings: Settings) -> None:
     """Restart the embedded Postgres in place (same port and data): for fault drills."""
-    entry = _read_state(settings)["postgres"]
+    entry = read_state(settings)["postgres"]
     log = Path(entry["pgdata"]) / "server.log"
     _pg([_pg_bin("pg_ctl"), "-D", entry["pgdata"], "-w", "-m", "fast", "-l", str(log),
          "restart"], _pg_run_user())
-    state = _read_state(settings)
+    state = read_state(settings)
     state["postgres"]["pid"] = _pg_pid(Path(entry["pgdata"]))
     _write_state(settings, state)
 
 
 def status(settings: Settings) -> dict:
     """What runs: per component pid, port and liveness, plus endpoints when both run."""
-    state = _read_state(settings)
-    report: dict = {name: {**entry, "running": _running(entry)} for name, entry in state.items()}
-    if all(_running(state.get(name)) for name in ("kafka", "postgres")):
-        report.update(asdict(_endpoints(state)))
+    state = read_state(settings)
+    report: dict = {name: {**entry, "running": running(entry)} for name, entry in state.items()}
+    if all(running(state.get(name)) for name in ("kafka", "postgres")):
+        report.update(asdict(endpoints(state)))
     return report
 
 
-def _endpoints(state: dict) -> Endpoints:
-    return Endpoints(
-        kafka_bootstrap=f"127.0.0.1:{state.get('kafka', {}).get('port')}",
-        database_url=(
-            f"postgresql+asyncpg://postgres@127.0.0.1:{state['postgres']['port']}/{DATABASE_NAME}"
-        ),
-    )
-
-
-def _require(settings: Settings, name: str) -> dict:
-    state = _read_state(settings)
-    if not _running(state.get(name)):
-        raise InfraError(
-            f"embedded {name} is not running (data dir {settings.data_dir}): run "
-            "`inferscale infra up` or set INFERSCALE_KAFKA_BOOTSTRAP / INFERSCALE_DATABASE_URL"
-        )
-    return state
-
-
-def embedded_database_url(settings: Settings) -> str:
-    """URL of the running embedded Postgres; a clear error when it is not up."""
-    return _endpoints(_require(settings, "postgres")).database_url
-
-
-def resolve_kafka_bootstrap(settings: Settings) -> str:
-    """The configured broker, else the running embedded one."""
-    if settings.kafka_bootstrap:
-        return settings.kafka_bootstrap
-    return f"127.0.0.1:{_require(settings, 'kafka')['kafka']['port']}"

@@ -33,8 +33,8 @@ from inferscale.contracts.kv_format import RAW
 from inferscale.contracts.plan import LEAD
 from inferscale.kv.durable import BlobMissing, Durable, KVBlobError, Read, open_durable
 from inferscale.kv.host_arena import HostArena, pinned_buffer
+from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.platform.procs import run_on_process_cpus
-from inferscale.serving.metrics import KV_METRICS
 
 if TYPE_CHECKING:
     from inferscale.platform.settings import Settings

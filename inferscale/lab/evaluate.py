@@ -27,13 +27,13 @@ import httpx
 
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
-from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
 from inferscale.lab.bench.common import auto_costs, print_table, write_report
 from inferscale.lab.fidelity import compare
 from inferscale.lab.scoring import exact_match, locomo_f1
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import locomo_turns
+from inferscale.platform.endpoints import resolve_kafka_bootstrap
 from inferscale.platform.settings import Settings
 
 TOP_LOGPROBS = 20

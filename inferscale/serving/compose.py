@@ -15,10 +15,10 @@ from cachetools import TTLCache
 
 from inferscale.contracts.layout import PromptPlan
 from inferscale.contracts.plan import LEAD, PREAMBLE, Plan, Segment, lead_name
+from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.platform.settings import Settings
 from inferscale.serving.guards import FrontendError
 from inferscale.serving.metrics import FRONTEND_METRICS as M
-from inferscale.serving.metrics import KV_METRICS
 from inferscale.serving.request_options import MemoryOptions
 
 if TYPE_CHECKING:

@@ -26,8 +26,8 @@ from cachetools import TTLCache
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from inferscale.contracts.plan import PLAN_KEY, Plan, PlanError, Segment, verify
+from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.kv.store import KVStore
-from inferscale.serving.metrics import KV_METRICS
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

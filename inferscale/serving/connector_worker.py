@@ -28,10 +28,10 @@ from inferscale.contracts.plan import PREAMBLE
 from inferscale.kv.chain import SKIP, ChainWriter, LayerSlots
 from inferscale.kv.fused import FusedCpuWriter, FusedTritonWriter, first_exact, fused_writers
 from inferscale.kv.key_scales import KeyScales, key_factor
+from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.kv.rope import ChunkedRope
 from inferscale.kv.store import KVStore
 from inferscale.serving.connector_scheduler import LoadSpec
-from inferscale.serving.metrics import KV_METRICS
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext

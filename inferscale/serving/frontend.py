@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from inferscale.contracts.plan import PLAN_KEY, sign
+from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.pipeline.kafka import kafka_security
 from inferscale.platform.settings import Settings, get_settings
 from inferscale.serving.access import Access
@@ -47,7 +48,6 @@ from inferscale.serving.guards import (
 )
 from inferscale.serving.memory_api import build_router
 from inferscale.serving.metrics import FRONTEND_METRICS as M
-from inferscale.serving.metrics import KV_METRICS
 from inferscale.serving.request_options import MemoryOptions, owner_and_options
 
 log = logging.getLogger("inferscale.serving.frontend")
@@ -227,7 +227,7 @@ class MemoryFrontend:
         return gate
 
     def _bootstrap(self) -> str | None:
-        from inferscale.devstack.infra import InfraError, resolve_kafka_bootstrap
+        from inferscale.platform.endpoints import InfraError, resolve_kafka_bootstrap
 
         try:
             return resolve_kafka_bootstrap(self.settings)

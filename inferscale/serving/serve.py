@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from inferscale.db.engine import resolve_database_url
-from inferscale.devstack.infra import InfraError, resolve_kafka_bootstrap
+from inferscale.platform.endpoints import InfraError, resolve_kafka_bootstrap
 from inferscale.platform.local_key import ensure_key, key_path
 from inferscale.platform.model_prep import resolve_model_path
 from inferscale.platform.settings import KeyGrant, Settings, settings_env

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import EXTERNAL_INFRA
 from inferscale.devstack import infra
+from inferscale.platform import endpoints
 from inferscale.platform.settings import Settings
 
 
@@ -33,7 +34,7 @@ def test_port_taken_is_a_clear_error(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(infra.InfraError, match=f"port {port} is already taken"):
+        with pytest.raises(endpoints.InfraError, match=f"port {port} is already taken"):
             infra.up(Settings(data_dir=tmp_path), kafka_port=port)
 
 
@@ -43,5 +44,5 @@ def test_stale_pid_file_is_not_reused(tmp_path):
     (settings.infra_dir / "state.json").write_text(json.dumps(
         {"kafka": {"pid": 2**22 + 12345, "port": 1}}))
     assert infra.status(settings)["kafka"]["running"] is False
-    with pytest.raises(infra.InfraError, match="not running"):
-        infra.resolve_kafka_bootstrap(settings)
+    with pytest.raises(endpoints.InfraError, match="not running"):
+        endpoints.resolve_kafka_bootstrap(settings)

@@ -43,6 +43,7 @@ from inferscale.devstack import infra
 from inferscale.devstack.stack import settings_env
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.kafka import ensure_topics, make_producer
+from inferscale.platform import endpoints
 from inferscale.platform.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ def s3_broker(tmp_path, monkeypatch):
     broker = Settings(data_dir=tmp_path / "broker", kafka_storage="s3://tansu/")
     try:
         for _ in range(100):
-            if infra._port_open(port):
+            if endpoints.port_open(port):
                 break
             time.sleep(0.1)
         boto3.client("s3", endpoint_url=env["AWS_ENDPOINT"], region_name="eu-west-2").create_bucket(

@@ -1,5 +1,6 @@
-"""The house rules the layout promises: the product never imports the lab, and no two modules
-share a name."""
+"""The house rules the layout promises: the product never imports the lab, nor the dev stack
+(the CLI's dev commands aside: they start it), the KV path never reaches up into serving, and
+no two modules share a name."""
 
 import ast
 from collections import Counter
@@ -31,6 +32,28 @@ def test_the_product_never_imports_the_lab():
         n for n in _imported(p) if n == "inferscale.lab" or n.startswith("inferscale.lab."))
         for p in PRODUCT}
     assert {path: names for path, names in offenders.items() if names} == {}
+
+
+# The CLI commands that start or run the embedded dev stack: `infra up | down | status`, `demo`.
+DEV_COMMANDS = {"inferscale/cli/ops_commands.py", "inferscale/cli/run_commands.py"}
+
+
+def _offenders(files, prefix: str) -> dict[str, list[str]]:
+    found = {str(p.relative_to(PACKAGE.parent)): sorted(
+        n for n in _imported(p) if n == prefix or n.startswith(prefix + "."))
+        for p in files}
+    return {path: names for path, names in found.items() if names}
+
+
+def test_the_product_never_imports_the_dev_stack():
+    """Product code finds its broker and database through ``platform/endpoints.py``."""
+    product = [p for p in PRODUCT if PACKAGE / "devstack" not in p.parents
+               and str(p.relative_to(PACKAGE.parent)) not in DEV_COMMANDS]
+    assert _offenders(product, "inferscale.devstack") == {}
+
+
+def test_the_kv_path_never_reaches_up_into_serving():
+    assert _offenders(list((PACKAGE / "kv").rglob("*.py")), "inferscale.serving") == {}
 
 
 def test_the_lab_joins_the_cli_as_a_plugin():

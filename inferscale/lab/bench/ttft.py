@@ -16,12 +16,12 @@ import httpx
 
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import ChatResult, scrape, stream_chat, totals
-from inferscale.devstack.infra import resolve_kafka_bootstrap
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
 from inferscale.lab.bench.common import auto_costs, percentile, print_table, write_report
 from inferscale.lab.bench.cpu import per_process, thread_times
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import read_turns
+from inferscale.platform.endpoints import resolve_kafka_bootstrap
 from inferscale.platform.settings import Settings
 
 MODES = ("inject", "inject-m0", "inject-m2", "prefix-hit", "text", "none")
