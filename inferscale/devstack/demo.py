@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -43,11 +44,20 @@ async def _publish(settings: Settings, turns) -> None:
     await publish_turns(bootstrap, settings.turns_topic, turns, security=security)
 
 
-async def _wait(settings: Settings, user: str, n: int) -> float:
+async def _wait(settings: Settings, user: str, n: int, worker: subprocess.Popen,
+                log: Path) -> float:
+    """Seconds until the user's memory is encoded; a worker that dies meanwhile is an error
+    naming its log, not a wait without end."""
     engine = create_engine(settings.database_url)
+    waiting = asyncio.ensure_future(wait_encoded(engine, user, n, settings))
     try:
-        return await wait_encoded(engine, user, n, settings)
+        while not waiting.done():
+            if worker.poll() is not None:
+                raise RuntimeError(f"the worker exited with code {worker.returncode}: see {log}")
+            await asyncio.wait([waiting], timeout=1.0)
+        return waiting.result()
     finally:
+        waiting.cancel()
         await engine.dispose()
 
 
@@ -119,14 +129,14 @@ def run_demo(settings: Settings, sample: Path = SAMPLE, keep: bool = False, k: i
     qa = [q for q in json.loads(sample.read_text())[0].get("qa", []) if q.get("category") != 5]
     try:
         say(f"starting an ingest+encode worker process (log: {out / 'worker.log'})")
-        with worker_process(local, out / "worker.log"):
+        with worker_process(local, out / "worker.log") as worker:
             say(f"publishing {len(turns)} turns of user {user!r} to Kafka")
             asyncio.run(_publish(local, turns))
             say(f"starting vLLM with the InferScale connector (log: {out / 'server.log'}); "
                 "first start compiles the model, ~2 min on 2 cores")
             with server_process(local, out / "server.log") as url:
                 say("server ready; waiting until every fact has its KV")
-                asyncio.run(_wait(local, user, len(turns)))
+                asyncio.run(_wait(local, user, len(turns), worker, out / "worker.log"))
                 say(f"asking {len(qa)} questions with k={k}: memory injected as KV (tail "
                     f"recompute: {default_recompute(local)}) vs the same facts prefilled as "
                     "text")
