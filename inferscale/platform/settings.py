@@ -287,9 +287,9 @@ class Settings(BaseSettings):
     # Browser origins (scheme://host:port) allowed besides the server's own ("*": any): a page
     # of any other origin is refused on every route.
     allowed_origins: list[str] = Field(default_factory=list)
-    # Requests per API key (per client address when anonymous) on the memory API and on chat
-    # requests that name an owner, in the `limits` package's notation (None: no limit); over
-    # it: 429 with Retry-After.
+    # Requests per API key (admin keys aside; per client address when anonymous) on the memory
+    # API and on chat requests that name an owner, in the `limits` package's notation (None:
+    # no limit); over it: 429 with Retry-After.
     rate_limit: str | None = "100/second;3000/minute"
     vllm_api_keys: list[str] = Field(default_factory=list)  # vLLM's own --api-key values
     max_body_bytes: int = Field(default=8 * 1024**2, gt=0)  # larger request bodies: 413

@@ -7,7 +7,8 @@ key must name a scope it holds (a filter it may not widen), and acts on a fact o
 fact's own scope is one it holds. Without keys, memory is served only where the operator chose
 anonymous access (``INFERSCALE_ALLOW_ANONYMOUS``); ``inferscale serve`` otherwise makes a local
 admin key (``platform/local_key.py``), so a server never runs open by accident. Keys are
-compared in constant time and never logged; the limiter is keyed by a digest of the key.
+compared in constant time and never logged; the limiter is keyed by a digest of the key (admin
+keys, the operator's and the local one, are not limited; anonymous callers are, per address).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class Access:
         if scope is not None and not holds(grant, scope):
             raise FrontendError(403, f"this API key acts only for agents {grant.agents} / "
                                      f"runs {grant.runs} (None: any): name one of them")
-        self._count(who)
+        if not (grant.admin and who.startswith("key:")):  # an operator's own key: no limit
+            self._count(who)
         return grant
 
     def authorize_control(self, headers: dict[str, str], client: str | None = None) -> None:
