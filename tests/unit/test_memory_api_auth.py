@@ -34,7 +34,10 @@ class _NoDatabase:
 
 @pytest.fixture
 def client_and_service():
-    service = _NoDatabase(Settings(api_keys={"alice-key": ["alice"], "admin": ["*"]}))
+    service = _NoDatabase(Settings(api_keys={
+        "alice-key": ["alice"], "admin": ["*"],
+        "reader": {"owners": ["alice"], "read_only": True},
+        "planner": {"owners": ["alice"], "agents": ["planner"]}}))
     app = FastAPI()
     app.include_router(build_router(service))
     return TestClient(app, raise_server_exceptions=False), service
@@ -61,6 +64,53 @@ def test_keys_that_may_not_act_for_the_owner_are_refused(client_and_service, met
                                   headers=headers)
         assert response.status_code == status, (method, path, headers, response.text)
     assert service.reached == 0
+
+
+ROUTES = [("GET", "/v1/memory/users/alice/facts", None, False),
+          ("GET", "/v1/memory/users/alice/facts/1", None, False),
+          ("GET", "/v1/memory/users/alice/facts/1/history", None, False),
+          ("POST", "/v1/memory/users/alice/search", {"query": "x"}, False),
+          ("PATCH", "/v1/memory/users/alice/facts/1", {"text": "x"}, True),
+          ("DELETE", "/v1/memory/users/alice/facts/1", None, True),
+          ("POST", "/v1/memory/users/alice/turns", {"turns": [{}]}, True),
+          ("DELETE", "/v1/memory/users/alice", None, True),
+          ("POST", "/v1/memory/forget", {"user": "alice"}, True)]
+
+
+@pytest.mark.parametrize("method, path, body, writes", ROUTES)
+def test_the_right_key_gets_through(client_and_service, method, path, body, writes):
+    """Past the admission: the stand-in server is reached (its missing database answers 500,
+    where a refusal would have been a 401 / 403), or the turns route answers which turns it
+    accepted (202)."""
+    client, service = client_and_service
+    for key in ("alice-key", "admin") + (() if writes else ("reader",)):
+        reached = service.reached
+        response = client.request(method, path, json=body,
+                                  headers={"authorization": f"Bearer {key}"})
+        assert response.status_code not in (401, 403), (key, response.text)
+        assert service.reached > reached or response.status_code == 202, (key, method, path)
+
+
+@pytest.mark.parametrize("method, path, body, writes", [r for r in ROUTES if r[3]])
+def test_read_only_keys_change_nothing(client_and_service, method, path, body, writes):
+    client, service = client_and_service
+    response = client.request(method, path, json=body, headers={"authorization": "Bearer reader"})
+    assert response.status_code == 403 and service.reached == 0
+
+
+def test_scoped_keys_name_their_scope_and_cannot_forget(client_and_service):
+    client, service = client_and_service
+    planner = {"authorization": "Bearer planner"}
+    for params in ({}, {"agent_id": "coder"}):  # no widening, no other agent
+        listed = client.get("/v1/memory/users/alice/facts", params=params, headers=planner)
+        assert listed.status_code == 403
+    searched = client.post("/v1/memory/users/alice/search", json={"query": "x"}, headers=planner)
+    assert searched.status_code == 403
+    assert client.delete("/v1/memory/users/alice", headers=planner).status_code == 403
+    assert service.reached == 0
+    ok = client.get("/v1/memory/users/alice/facts", params={"agent_id": "planner"},
+                    headers=planner)
+    assert ok.status_code not in (401, 403) and service.reached == 1
 
 
 def test_adding_a_fact_directly_needs_an_admin_key(client_and_service):
