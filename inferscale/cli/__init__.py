@@ -17,12 +17,14 @@ from inferscale.platform.procs import sigterm_as_interrupt
 from inferscale.platform.settings import get_settings
 
 COMMAND_GROUPS = (ops_commands.register, memory_commands.register, run_commands.register)
+DESCRIPTION = ("InferScale: a memory layer for LLM serving. Users' facts are kept as KV and "
+               "injected into vLLM, so only the question is prefilled.")
 PLUGIN_GROUP = "inferscale.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand, plugins' included."""
-    parser = argparse.ArgumentParser(prog="inferscale", description=__doc__)
+    parser = argparse.ArgumentParser(prog="inferscale", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in COMMAND_GROUPS:

@@ -61,6 +61,18 @@ def ask_for_margin(data: dict[str, Any]) -> None:
     data["top_logprobs"] = max(client_top_logprobs(data) or 0, PROBE_TOP_LOGPROBS)
 
 
+def one_token(body: bytes) -> bytes | None:
+    """A non-streamed request made to generate one token (None: a streamed request, whose
+    gate aborts it at its first token anyway)."""
+    data = json.loads(body)
+    if data.get("stream"):
+        return None
+    data["max_tokens"] = 1
+    if "max_completion_tokens" in data:
+        data["max_completion_tokens"] = 1
+    return json.dumps(data).encode()
+
+
 def first_margin(payload: dict[str, Any]) -> float | None:
     """The top-2 logprob margin of the first generated token in a chat completion or chunk
     (None: it holds no generated token yet). One candidate only: an infinite margin."""

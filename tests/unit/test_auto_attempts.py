@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from inferscale.serving.auto_recompute import AutoRecompute
-from inferscale.serving.frontend import MemoryFrontend, _Downstream, _Rewritten
+from inferscale.serving.asgi import Downstream
+from inferscale.serving.frontend import MemoryFrontend, _Rewritten
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
 
@@ -56,9 +57,10 @@ async def test_one_attempt_answers_whole_with_the_headers_that_decided(
     async def retry(tail_only: bool, gated: bool) -> tuple[bytes, dict[str, str]]:
         attempt = "recomputed" if tail_only else "text"
         asked.append((attempt, gated))
-        return json.dumps({"attempt": attempt}).encode(), {"x-inferscale-attempt": attempt}
+        return (json.dumps({"attempt": attempt, "stream": True}).encode(),
+                {"x-inferscale-attempt": attempt})
 
-    rewritten = _Rewritten(json.dumps({"attempt": "kept"}).encode(),
+    rewritten = _Rewritten(json.dumps({"attempt": "kept", "stream": True}).encode(),
                            {"x-inferscale-attempt": "kept"},
                            AutoRecompute(0.5, None, 2, text_threshold), retry)
     sent: list[dict] = []
@@ -69,7 +71,7 @@ async def test_one_attempt_answers_whole_with_the_headers_that_decided(
     async def client_receive():
         await asyncio.Event().wait()  # the client stays connected
 
-    client = _Downstream(client_receive)
+    client = Downstream(client_receive)
     before = {o: _count(o) for o in ("kept", "recomputed", "text")}
     try:
         await frontend._answer_auto(SCOPE, client, send, rewritten)
@@ -93,3 +95,54 @@ async def test_one_attempt_answers_whole_with_the_headers_that_decided(
     assert asked == expected
     assert {o: _count(o) - before[o] for o in before} == {
         o: float(o == outcome) for o in before}
+
+
+@pytest.mark.parametrize(("margins", "outcome", "asked"), [
+    ({"kept": 0.9}, "kept", [("kept", 1), ("kept", 64)]),
+    ({"kept": 0.1, "recomputed": 0.5}, "recomputed",
+     [("kept", 1), ("recomputed", 1), ("recomputed", 64)]),
+    ({"kept": 0.1, "recomputed": 0.0, "text": 0.0}, "text",
+     [("kept", 1), ("recomputed", 1), ("text", 64)]),
+])
+async def test_non_streamed_attempts_are_decided_by_a_one_token_probe(margins, outcome, asked):
+    """Each gated attempt is first asked for one token; only the one that answers generates
+    its ``max_tokens``, and the client gets that one response."""
+    engine = _engine(margins)
+    seen: list[tuple[str, int]] = []
+
+    async def recording(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        seen.append((body["attempt"], body["max_tokens"]))
+
+        async def again():
+            return {"type": "http.request", "body": json.dumps(body).encode(),
+                    "more_body": False}
+        await engine(scope, again, send)
+
+    frontend = MemoryFrontend(recording)
+
+    async def retry(tail_only: bool, gated: bool) -> tuple[bytes, dict[str, str]]:
+        attempt = "recomputed" if tail_only else "text"
+        return (json.dumps({"attempt": attempt, "max_tokens": 64}).encode(),
+                {"x-inferscale-attempt": attempt})
+
+    rewritten = _Rewritten(json.dumps({"attempt": "kept", "max_tokens": 64}).encode(),
+                           {"x-inferscale-attempt": "kept"},
+                           AutoRecompute(0.5, None, 2, 0.125), retry)
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def client_receive():
+        await asyncio.Event().wait()
+
+    client = Downstream(client_receive)
+    try:
+        await frontend._answer_auto(SCOPE, client, send, rewritten)
+    finally:
+        client.close()
+    assert seen == asked
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert len(starts) == 1
+    assert dict(starts[0]["headers"])[b"x-inferscale-recompute-auto"] == outcome.encode()

@@ -3,7 +3,9 @@
 no two modules share a name."""
 
 import ast
+import re
 from collections import Counter
+from importlib.metadata import requires
 from pathlib import Path
 
 import inferscale
@@ -54,6 +56,23 @@ def test_the_product_never_imports_the_dev_stack():
 
 def test_the_kv_path_never_reaches_up_into_serving():
     assert _offenders(list((PACKAGE / "kv").rglob("*.py")), "inferscale.serving") == {}
+
+
+LAB_AND_TEST_ONLY = ("matplotlib", "nltk", "yaml", "pytest", "hypothesis", "playwright", "moto")
+
+
+def test_the_product_imports_no_lab_or_test_dependency():
+    for name in LAB_AND_TEST_ONLY:
+        assert _offenders(PRODUCT, name) == {}, name
+
+
+def test_the_package_installs_without_lab_or_test_dependencies():
+    """What ``pip install inferscale`` pulls (the installed metadata): the lab's and the
+    tests' packages only under their extras."""
+    core = [r for r in requires("inferscale") or [] if "extra ==" not in r]
+    names = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in core}
+    assert names and not names & {"matplotlib", "nltk", "pyyaml", "pytest", "hypothesis",
+                                  "playwright", "moto"}
 
 
 def test_the_lab_joins_the_cli_as_a_plugin():
