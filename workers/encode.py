@@ -41,6 +41,7 @@ from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.contracts.plan import holds_lead, lead_name
 from inferscale.db.encode_queue import (
     STORAGE_FAILURE,
+    EncodedFact,
     PendingFact,
     Recorded,
     claim_backfill_facts,
@@ -222,20 +223,20 @@ class EncodeWorker(BatchStage):
                 lambda: self._encode_and_store(pending))
         if done:
             log.info("wrote KV for %d facts", len(done),
-                     extra={"fact_ids": [row["id"] for row in done],
-                            "reencoded_ids": [row["id"] for row in done if row["reencode"]]})
+                     extra={"fact_ids": [row.id for row in done],
+                            "reencoded_ids": [row.id for row in done if row.reencode]})
         users = sorted({fact.user_id for fact in pending})
         outcome = await retry_transient(lambda: self._record(done, failures, users),
                                         self._db_retry)
         gone = outcome.gone
         if gone:  # their user was forgotten meanwhile: leave no KV of theirs behind
-            await loop.run_in_executor(None, self.store.delete, [r["location"] for r in gone])
+            await loop.run_in_executor(None, self.store.delete, [r.location for r in gone])
         self.stats.batches += 1
         self.stats.encoded += len(done) - len(gone)
-        reencoded = sum(r["reencode"] for r in done) - sum(r["reencode"] for r in gone)
+        reencoded = sum(r.reencode for r in done) - sum(r.reencode for r in gone)
         self.stats.reencoded += reencoded
         observe.FACTS_REENCODED.inc(reencoded)
-        restored = sum(r["restored"] for r in done) - sum(r["restored"] for r in gone)
+        restored = sum(r.restored for r in done) - sum(r.restored for r in gone)
         self.stats.restored += restored
         observe.KV_RESTORED_FACTS.inc(restored)
         self.stats.failed += len(failures)
@@ -255,7 +256,7 @@ class EncodeWorker(BatchStage):
             observe.MODEL_CALLS_STUCK.labels("encode").inc()
             raise
 
-    async def _record(self, done: list[dict], failures: list[tuple[PendingFact, str]],
+    async def _record(self, done: list[EncodedFact], failures: list[tuple[PendingFact, str]],
                       users: list[str]) -> Recorded:
         """Commit the batch's outcomes (ending its leases) and mark the batch's users' early
         facts for backfill where due."""
@@ -284,7 +285,7 @@ class EncodeWorker(BatchStage):
         return len(dropped)
 
     def _encode_and_store(self, pending: list[PendingFact]
-                          ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
+                          ) -> tuple[list[EncodedFact], list[tuple[PendingFact, str]]]:
         """Blocking: one batched forward pass, durable writes; isolates failures per fact."""
         try:
             return self._encode_batch(pending)
@@ -311,7 +312,7 @@ class EncodeWorker(BatchStage):
             fact.reencode or len(fact.context) < s.window or holds_lead(fact.id, s.lead_share))
 
     def _encode_batch(self, pending: list[PendingFact]
-                      ) -> tuple[list[dict], list[tuple[PendingFact, str]]]:
+                      ) -> tuple[list[EncodedFact], list[tuple[PendingFact, str]]]:
         """One forward pass for the batch (and one for its lead encodings: the facts after the
         preamble alone, where ``_wants_lead``), then the durable writes per fact; a write
         that fails (disk full, ...) fails only its fact, and the batch is not encoded again."""
@@ -338,13 +339,12 @@ class EncodeWorker(BatchStage):
             except OSError as exc:
                 failures.append((fact, failure_reason(exc)))
                 continue
-            rows.append({
-                "id": fact.id, "claim": fact.claim, "token_ids": span.token_ids,
-                "window": self.settings.window, "context_facts": len(fact.context),
-                "reencode": fact.reencode, "restored": fact.restored,
-                "fingerprint": self.store.fingerprint,
-                "location": stored.location, "checksum": stored.checksum,
-                "nbytes": stored.nbytes + (stored_lead.nbytes if stored_lead else 0),
-                "lead_checksum": stored_lead.checksum if stored_lead else None,
-            })
+            rows.append(EncodedFact(
+                id=fact.id, claim=fact.claim, token_ids=span.token_ids,
+                window=self.settings.window, context_facts=len(fact.context),
+                reencode=fact.reencode, restored=fact.restored,
+                fingerprint=self.store.fingerprint,
+                location=stored.location, checksum=stored.checksum,
+                nbytes=stored.nbytes + (stored_lead.nbytes if stored_lead else 0),
+                lead_checksum=stored_lead.checksum if stored_lead else None))
         return rows, failures

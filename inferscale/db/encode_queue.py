@@ -11,7 +11,7 @@ locks the fact's row first, so a concurrent retirement either came before (the o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from sqlalchemy import (
     TextClause,
@@ -224,24 +224,41 @@ async def quarantine_crashed_facts(conn: AsyncConnection, fingerprint: str,
         .returning(fact_kv.c.fact_id))).scalars())
 
 @dataclass(frozen=True)
+class EncodedFact:
+    """One fact's KV as an encode stage stored it: what ``record_encoded`` records."""
+
+    id: int
+    claim: int  # the claim it was encoded under (a newer claim wins)
+    fingerprint: str  # the model's
+    token_ids: list[int]
+    window: int
+    context_facts: int | None  # facts it was encoded after (None: never backfilled)
+    location: str  # its blob
+    nbytes: int  # its blob's and its lead blob's bytes
+    checksum: str
+    lead_checksum: str | None
+    reencode: bool = False  # encoded again because a request wanted it back
+    restored: bool = False  # its evicted KV came back
+
+
+@dataclass(frozen=True)
 class Recorded:
-    """What ``record_encoded`` did with each row."""
+    """What ``record_encoded`` did with each fact."""
 
-    recorded: list[dict]  # stored: the fact's KV is the row's now
-    gone: list[dict]  # the fact is gone (forgotten, or retired by an update): remove the blobs
-    superseded: list[dict]  # claimed again since (the lease ran out): left to the newer claim
+    recorded: list[EncodedFact]  # stored: the fact's KV is this now
+    gone: list[EncodedFact]  # the fact is gone (forgotten, or retired): remove the blobs
+    superseded: list[EncodedFact]  # claimed again since (its lease ran out): the newer claim's
 
 
-async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> Recorded:
-    """Store KV metadata of encoded facts and end their leases. Each dict: id, claim,
-    token_ids, window, context_facts, fingerprint, location, nbytes, checksum, lead_checksum
-    (or None). A fact claimed again since (its lease ran out) is left to the newer claim; a
-    fact retired, forgotten, or whose row for the model went (its model retired) is gone."""
+async def record_encoded(conn: AsyncConnection, rows: Sequence[EncodedFact]) -> Recorded:
+    """Store KV metadata of encoded facts and end their leases. A fact claimed again since (its
+    lease ran out) is left to the newer claim; a fact retired, forgotten, or whose row for the
+    model went (its model retired) is gone."""
     if not rows:
         return Recorded([], [], [])
     # The facts' rows are locked first: a retirement either came before (the fact is retired
     # here) or waits for this commit (and then removes the blob itself); a deletion waits too.
-    ids = sorted({r["id"] for r in rows})
+    ids = sorted({r.id for r in rows})
     live = set((await conn.execute(
         select(facts.c.id).where(facts.c.id.in_(ids), facts.c.deleted_at.is_(None))
         .order_by(facts.c.id).with_for_update(key_share=True))).scalars())
@@ -259,17 +276,16 @@ async def record_encoded(conn: AsyncConnection, rows: Sequence[dict]) -> Recorde
             encode_error=None, retry_at=None, claimed_until=None,
             encode_attempts=fact_kv.c.encode_attempts + 1,
         ),
-        [{**r, "fid": r["id"], "model": r["fingerprint"]} for r in rows],
+        [{**asdict(r), "fid": r.id, "model": r.fingerprint} for r in rows],
     )
     claims = {(fact_id, model): claim for fact_id, model, claim in (await conn.execute(
         select(fact_kv.c.fact_id, fact_kv.c.model_fingerprint, fact_kv.c.encode_claims).where(
             fact_kv.c.fact_id.in_(ids)))).all()}
-    held = {r["id"]: claims.get((r["id"], r["fingerprint"])) if r["id"] in live else None
-            for r in rows}
+    held = {r.id: claims.get((r.id, r.fingerprint)) if r.id in live else None for r in rows}
     return Recorded(
-        recorded=[r for r in rows if held[r["id"]] == r["claim"]],
-        gone=[r for r in rows if held[r["id"]] is None],
-        superseded=[r for r in rows if held[r["id"]] not in (None, r["claim"])])
+        recorded=[r for r in rows if held[r.id] == r.claim],
+        gone=[r for r in rows if held[r.id] is None],
+        superseded=[r for r in rows if held[r.id] not in (None, r.claim)])
 
 
 _DROP_OTHER_MODELS = text("""

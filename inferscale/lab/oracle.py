@@ -13,7 +13,7 @@ import asyncio
 from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inferscale.db.encode_queue import record_encoded, register_model
+from inferscale.db.encode_queue import EncodedFact, record_encoded, register_model
 from inferscale.db.tables import facts
 from inferscale.kv.encoder import EncodeItem, FactEncoder
 from inferscale.kv.store import KVStore
@@ -51,11 +51,11 @@ async def oracle_owner(engine: AsyncEngine, encoder: FactEncoder, store: KVStore
         blob = await loop.run_in_executor(None, store.put, str(copies[fact_id]),
                                           span.k[:, start:end], span.v[:, start:end], ids,
                                           ORACLE_WINDOW)
-        encoded.append({"id": copies[fact_id], "claim": 0, "token_ids": ids,
-                        "window": ORACLE_WINDOW, "context_facts": None,  # never backfilled
-                        "fingerprint": store.fingerprint,
-                        "location": blob.location, "nbytes": blob.nbytes,
-                        "checksum": blob.checksum, "lead_checksum": None})
+        encoded.append(EncodedFact(
+            id=copies[fact_id], claim=0, token_ids=ids, window=ORACLE_WINDOW,
+            context_facts=None,  # never backfilled
+            fingerprint=store.fingerprint, location=blob.location, nbytes=blob.nbytes,
+            checksum=blob.checksum, lead_checksum=None))
         start = end
     async with engine.begin() as conn:
         await record_encoded(conn, encoded)

@@ -9,8 +9,8 @@ import json
 import pytest
 from prometheus_client import REGISTRY
 
-from inferscale.serving.auto_recompute import AutoRecompute
 from inferscale.serving.asgi import Downstream
+from inferscale.serving.auto_recompute import AutoRecompute
 from inferscale.serving.frontend import MemoryFrontend, _Rewritten
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}

@@ -4,10 +4,10 @@ Runs where vLLM does not (a GPU box with torch and transformers only). Per reque
 facts' blobs from a real store (a local directory, the host tier, the device tier) written,
 keys rotated and scaled, into per-layer paged caches in the layout of vLLM's attention
 (``[blocks, kv_heads, block_size, 2 * head_dim]``), by the connector's chain
-(``kvchain.ChainWriter`` with ``ChunkedRope``; ``flash_update`` stands in for vLLM's
-``reshape_and_cache_flash``) and, on CUDA, by the fused Triton writer (``kv/_fused_triton.py``). Blob
-values are random, in the shapes of a model's K/V (``SHAPES``: Llama-3.1-8B's, Qwen3-8B's,
-Gemma-3-12B's, or the served model's). Every tier and
+(``chain.ChainWriter`` with ``ChunkedRope``; ``flash_update`` stands in for vLLM's
+``reshape_and_cache_flash``) and, on CUDA, by the fused Triton writer
+(``kv/_fused_triton.py``). Blob values are random, in the shapes of a model's K/V
+(``SHAPES``: Llama-3.1-8B's, Qwen3-8B's, Gemma-3-12B's, or the served model's). Every tier and
 writer must leave the same bits in the cache as the chain from the first tier.
 
 The baseline is the forward of a randomly initialised model of the same shapes
