@@ -57,14 +57,18 @@ def api_keys_in(vllm_args: list[str]) -> list[str]:
     return keys
 
 
-def memory_keys(settings: Settings) -> dict[str, KeyGrant]:
-    """The API keys the server accepts: the configured ones; else, unless anonymous memory was
-    chosen, the local admin key (made on first use; ``platform/local_key.py``). Says at start
-    which policy runs (never the key itself, except once, where it was just made, as the link
-    of the memory inspector on the terminal that started the server)."""
+def memory_keys(settings: Settings, vllm_keys: list[str]) -> dict[str, KeyGrant]:
+    """The API keys the server accepts: the configured ones; else vLLM's own ``--api-key``
+    values, as admin keys (both are bearer keys: a request carries one); else, unless anonymous
+    memory was chosen, the local admin key (made on first use; ``platform/local_key.py``). Says
+    at start which policy runs (never the key itself, except once, where it was just made, as
+    the link of the memory inspector on the terminal that started the server)."""
     if settings.api_keys:
         log.info("memory: %d API keys configured", len(settings.api_keys))
         return settings.api_keys
+    if vllm_keys:
+        log.info("memory: vLLM's --api-key values are the admin keys (no INFERSCALE_API_KEYS)")
+        return {key: KeyGrant(owners=["*"]) for key in vllm_keys}
     if settings.allow_anonymous:
         log.warning("memory: INFERSCALE_ALLOW_ANONYMOUS is on: anyone who reaches this server "
                     "reads and changes every owner's memory without a key")
@@ -92,13 +96,15 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
         bootstrap = resolve_kafka_bootstrap(settings)
     except InfraError:
         bootstrap = None  # serving works without a broker; invalidations then stay local
+    vllm_keys = [key for key in settings.vllm_api_keys or api_keys_in(extra_args)
+                 or [os.environ.get("VLLM_API_KEY", "")] if key]
     child = settings.model_copy(update={
         "kafka_bootstrap": bootstrap,
         "database_url": resolve_database_url(settings), "model_path": model_path,
         "kv_dir": settings.kv_path, "plan_secret": settings.plan_secret or secrets.token_hex(32),
         "key_scales": resolve_for_server(settings.key_scales, model_path),
-        "vllm_api_keys": settings.vllm_api_keys or api_keys_in(extra_args),
-        "api_keys": memory_keys(settings)})
+        "vllm_api_keys": vllm_keys,
+        "api_keys": memory_keys(settings, vllm_keys)})
     env = {
         **settings_env(child),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
