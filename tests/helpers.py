@@ -67,6 +67,22 @@ async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, sto
         await EncodeWorker(settings, engine, encoder, store).run(drain=True)
 
 
+async def ines_with_two_facts(served, smol, base_settings, engine, embedder, prefix: str
+                              ) -> str:
+    """A new owner (``prefix``-...) with two encoded facts on the served model (a horse called
+    Biscuit, chemistry in Porto), ingested through topics of their own."""
+    encoder, store = smol
+    user = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cfg = base_settings.model_copy(update={
+        "turns_topic": f"turns-{user}", "dead_letter_topic": f"turns-{user}.dlq",
+        "consumer_group": f"ingest-{user}", **{k: getattr(served.settings, k) for k in (
+            "model_path", "kv_dir", "data_dir", "window", "top_k")}})
+    await ingest_and_encode(cfg, engine, embedder, [
+        turn(user, "t1", "Ines", "My horse is called Biscuit and she is twelve years old."),
+        turn(user, "t2", "Ines", "I teach chemistry at a school in Porto.")], encoder, store)
+    return user
+
+
 def turn(user: str, turn_id: str, speaker: str, text: str, day: int = 1) -> TurnEvent:
     """A hand-made turn of a one-conversation user."""
     from datetime import UTC, datetime

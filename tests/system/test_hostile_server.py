@@ -7,7 +7,6 @@ requests; afterwards the server still answers ``/health`` and a normal memory qu
 
 import hashlib
 import json
-import uuid
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import AUTH
-from helpers import ingest_and_encode, turn
+from helpers import ines_with_two_facts
 from hostile import any_text, json_values, tried
 from inferscale.serving.browser_guard import JSON_BODY_PATHS
 
@@ -37,16 +36,7 @@ KNOWN_KV_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "
 @pytest.fixture(scope="module")
 async def memory_user(served, smol, base_settings, engine, embedder):
     """A user with two encoded facts, for the 'still serves memory' checks."""
-    encoder, store = smol
-    user = f"hostile-{uuid.uuid4().hex[:6]}"
-    cfg = base_settings.model_copy(update={
-        "turns_topic": f"turns-{user}", "dead_letter_topic": f"turns-{user}.dlq",
-        "consumer_group": f"ingest-{user}", **{k: getattr(served.settings, k) for k in (
-            "model_path", "kv_dir", "data_dir", "window", "top_k")}})
-    await ingest_and_encode(cfg, engine, embedder, [
-        turn(user, "t1", "Ines", "My horse is called Biscuit and she is twelve years old."),
-        turn(user, "t2", "Ines", "I teach chemistry at a school in Porto.")], encoder, store)
-    return user
+    return await ines_with_two_facts(served, smol, base_settings, engine, embedder, "hostile")
 
 
 @pytest.fixture(scope="module")

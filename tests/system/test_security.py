@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from conftest import AUTH
-from helpers import ingest_and_encode, turn
+from helpers import ines_with_two_facts
 from inferscale.client import MemoryAPIError, MemoryClient
 
 pytestmark = pytest.mark.slow
@@ -25,16 +25,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 async def owner(served, smol, base_settings, engine, embedder):
     """An owner with two encoded facts."""
-    encoder, store = smol
-    user = f"secure-{uuid.uuid4().hex[:6]}"
-    cfg = base_settings.model_copy(update={
-        "turns_topic": f"turns-{user}", "dead_letter_topic": f"turns-{user}.dlq",
-        "consumer_group": f"ingest-{user}", **{k: getattr(served.settings, k) for k in (
-            "model_path", "kv_dir", "data_dir", "window", "top_k")}})
-    await ingest_and_encode(cfg, engine, embedder, [
-        turn(user, "t1", "Ines", "My horse is called Biscuit and she is twelve years old."),
-        turn(user, "t2", "Ines", "I teach chemistry at a school in Porto.")], encoder, store)
-    return user
+    return await ines_with_two_facts(served, smol, base_settings, engine, embedder, "secure")
 
 
 def _memory_requests(url: str, user: str, fact_id: int) -> list[tuple[str, str, dict | None]]:
