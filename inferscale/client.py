@@ -8,7 +8,7 @@
 Both clients build the same requests (``_Call``); only how they are sent differs. A refused
 request raises ``MemoryAPIError`` with the server's status and message. With no ``api_key``
 they send ``INFERSCALE_API_KEY``, or for a server on this machine (a loopback URL) the local
-admin key ``inferscale serve`` made (``platform/local_key.py``; ``data_dir``: where it is, by
+admin key ``inferscale serve`` made (``core/local_key.py``; ``data_dir``: where it is, by
 default ``INFERSCALE_DATA_DIR`` or ``~/.inferscale``). ``agent_id`` /
 ``run_id`` scope what a call writes and filter what it reads (None: any).
 """
@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 import httpx
 
-from inferscale.platform.local_key import key_for
+from inferscale.core.local_key import key_for
 
 
 class MemoryAPIError(Exception):

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from inferscale.core import endpoints
+from inferscale.core.local_key import KEY_ENV, key_path
+from inferscale.core.settings import Settings
 from inferscale.db import migrate
 from inferscale.devstack import infra
-from inferscale.platform import endpoints
-from inferscale.platform.local_key import KEY_ENV, key_path
-from inferscale.platform.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 # The suite's servers run at the defaults: no INFERSCALE_API_KEYS, so each accepts only its
@@ -183,7 +183,7 @@ def embedder(base_settings: Settings):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, prepared from the PyPI wheel (cached across runs)."""
-    from inferscale.platform.model_prep import PREPARED_NAME, prepare_model
+    from inferscale.core.model_prep import PREPARED_NAME, prepare_model
 
     return prepare_model(Path.home() / ".cache" / "inferscale-test" / PREPARED_NAME)
 
@@ -191,7 +191,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
     """The real Gemma 3 270M base model, prepared from its PyPI packages (cached across runs)."""
-    from inferscale.platform.model_prep import SHIPPED, prepare_model
+    from inferscale.core.model_prep import SHIPPED, prepare_model
 
     return prepare_model(Path.home() / ".cache" / "inferscale-test" /
                          SHIPPED["gemma3-270m"].folder, "gemma3-270m")
@@ -218,7 +218,7 @@ class Server:
 
     def start(self) -> None:
         """Start `inferscale serve` as a user would, and wait until the server is healthy."""
-        from inferscale.platform.settings import settings_env
+        from inferscale.core.settings import settings_env
         from inferscale.serving.serve import wait_ready
 
         lay_key(self.settings.data_dir)

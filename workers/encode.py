@@ -39,6 +39,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.contracts.plan import holds_lead, lead_name
+from inferscale.core import failpoints
+from inferscale.core.model_prep import resolve_model_path
+from inferscale.core.retry import retry_transient
+from inferscale.core.settings import Settings
 from inferscale.db.encode_queue import (
     STORAGE_FAILURE,
     EncodedFact,
@@ -57,10 +61,6 @@ from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes
 from inferscale.kv.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.forget import sweep_orphan_blobs
-from inferscale.platform import failpoints
-from inferscale.platform.model_prep import resolve_model_path
-from inferscale.platform.retry import retry_transient
-from inferscale.platform.settings import Settings
 from workers import observe
 from workers.model_thread import ModelCallStuck, ModelThread
 from workers.stage import BatchStage

@@ -18,6 +18,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inferscale.core import failpoints
+from inferscale.core.retry import retry_transient
+from inferscale.core.settings import Settings
 from inferscale.db.extract_queue import (
     ClaimedTurn,
     claim_unextracted_turns,
@@ -29,9 +32,6 @@ from inferscale.kv.store import KVStore
 from inferscale.pipeline.embedder import Embedder
 from inferscale.pipeline.extraction import Draft, Extractor, TurnExtractor, TurnInContext
 from inferscale.pipeline.updates import Decide, NewDraft, UpdatePlan, plan_updates
-from inferscale.platform import failpoints
-from inferscale.platform.retry import retry_transient
-from inferscale.platform.settings import Settings
 from workers import observe
 from workers.stage import BatchStage
 

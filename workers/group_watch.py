@@ -20,8 +20,8 @@ import time
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from inferscale.core.settings import Settings
 from inferscale.pipeline.kafka import kafka_security
-from inferscale.platform.settings import Settings
 from workers import observe
 
 log = logging.getLogger("inferscale.ingest")

@@ -21,11 +21,11 @@ from aiokafka.errors import KafkaConnectionError, KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale.contracts.events import InvalidEvent, TurnEvent, parse_record
+from inferscale.core import failpoints
+from inferscale.core.retry import is_transient_db_error, retry_transient
+from inferscale.core.settings import Settings
 from inferscale.db.turns import StoredTurn, lock_users, tombstones, upsert_turns
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer
-from inferscale.platform import failpoints
-from inferscale.platform.retry import is_transient_db_error, retry_transient
-from inferscale.platform.settings import Settings
 from workers import observe
 from workers.group_watch import GroupWatch
 

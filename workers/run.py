@@ -9,6 +9,8 @@ import os
 import signal
 from typing import Any
 
+from inferscale.core.endpoints import resolve_kafka_bootstrap
+from inferscale.core.settings import Settings
 from inferscale.db.encode_queue import count_pending_facts
 from inferscale.db.engine import create_engine
 from inferscale.db.extract_queue import count_unextracted_turns
@@ -19,8 +21,6 @@ from inferscale.pipeline.generators import JsonGenerator, LocalJsonGenerator, Op
 from inferscale.pipeline.invalidation import publish_invalidation
 from inferscale.pipeline.kafka import kafka_security
 from inferscale.pipeline.updates import Decide, LLMDecider
-from inferscale.platform.endpoints import resolve_kafka_bootstrap
-from inferscale.platform.settings import Settings
 from workers.encode import EncodeWorker, open_encoder_and_store
 from workers.extract import ExtractWorker
 from workers.ingest import IngestWorker

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from inferscale.platform.retry import retry_transient
+from inferscale.core.retry import retry_transient
 
 log = logging.getLogger("inferscale.stage")
 

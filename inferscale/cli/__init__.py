@@ -12,9 +12,9 @@ import sys
 from importlib.metadata import entry_points
 
 from inferscale.cli import memory_commands, ops_commands, run_commands
-from inferscale.platform.logs import configure
-from inferscale.platform.procs import sigterm_as_interrupt
-from inferscale.platform.settings import get_settings
+from inferscale.core.logs import configure
+from inferscale.core.procs import sigterm_as_interrupt
+from inferscale.core.settings import get_settings
 
 COMMAND_GROUPS = (ops_commands.register, memory_commands.register, run_commands.register)
 DESCRIPTION = ("InferScale: a memory layer for LLM serving. Users' facts are kept as KV and "
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - a CLI prints the error, not a traceback
-        from inferscale.platform.endpoints import InfraError
+        from inferscale.core.endpoints import InfraError
 
         if isinstance(exc, InfraError | FileNotFoundError | ValueError):
             print(f"error: {exc}", file=sys.stderr)

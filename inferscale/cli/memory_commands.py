@@ -7,13 +7,13 @@ import asyncio
 import sys
 from pathlib import Path
 
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 
 
 def _publish(args: argparse.Namespace, settings: Settings) -> int:
+    from inferscale.core.endpoints import resolve_kafka_bootstrap
     from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
     from inferscale.pipeline.sources import read_turns
-    from inferscale.platform.endpoints import resolve_kafka_bootstrap
 
     bootstrap = resolve_kafka_bootstrap(settings)
     topic = args.topic or settings.turns_topic
@@ -45,12 +45,12 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
                 return 1
         return 0
 
+    from inferscale.core.endpoints import resolve_kafka_bootstrap
     from inferscale.db.engine import create_engine
     from inferscale.kv.store import KVStore
     from inferscale.pipeline.forget import forget_user
     from inferscale.pipeline.invalidation import publish_invalidation
     from inferscale.pipeline.kafka import kafka_security
-    from inferscale.platform.endpoints import resolve_kafka_bootstrap
 
     async def go():
         engine = create_engine(settings=settings)

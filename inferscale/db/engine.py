@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from inferscale.platform.settings import Settings, get_settings
+from inferscale.core.settings import Settings, get_settings
 
 
 def resolve_database_url(settings: Settings | None = None) -> str:
@@ -12,7 +12,7 @@ def resolve_database_url(settings: Settings | None = None) -> str:
     settings = settings or get_settings()
     if settings.database_url:
         return settings.database_url
-    from inferscale.platform.endpoints import embedded_database_url
+    from inferscale.core.endpoints import embedded_database_url
 
     return embedded_database_url(settings)
 

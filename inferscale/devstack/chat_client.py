@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferscale.platform.local_key import key_for
+from inferscale.core.local_key import key_for
 
 
 @dataclass

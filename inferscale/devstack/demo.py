@@ -18,14 +18,14 @@ from pathlib import Path
 
 import httpx
 
+from inferscale.core.endpoints import resolve_kafka_bootstrap
+from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.devstack import infra
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import read_turns
-from inferscale.platform.endpoints import resolve_kafka_bootstrap
-from inferscale.platform.settings import Settings
 from inferscale.serving.request_options import default_recompute
 
 SAMPLE = Path(__file__).parent.parent / "data" / "sample_conversation.json"

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from inferscale.platform.endpoints import (
+from inferscale.core.endpoints import (
     DATABASE_NAME,
     Endpoints,
     InfraError,
@@ -27,8 +27,8 @@ from inferscale.platform.endpoints import (
     running,
     state_file,
 )
-from inferscale.platform.procs import pid_alive
-from inferscale.platform.settings import Settings
+from inferscale.core.procs import pid_alive
+from inferscale.core.settings import Settings
 
 PG_USER_WHEN_ROOT = "inferscale_pg"
 

@@ -16,6 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
 from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.core.model_prep import resolve_model_path
+from inferscale.core.settings import Settings, settings_env
 from inferscale.db import migrate
 from inferscale.db.encode_queue import (
     count_backfill_facts,
@@ -25,8 +27,6 @@ from inferscale.db.encode_queue import (
 from inferscale.db.engine import resolve_database_url
 from inferscale.db.tables import turns
 from inferscale.devstack import infra
-from inferscale.platform.model_prep import resolve_model_path
-from inferscale.platform.settings import Settings, settings_env
 
 
 def prepare(settings: Settings) -> Settings:

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy
 
-from inferscale.platform import failpoints
-from inferscale.platform.procs import pid_alive, process_cpus
+from inferscale.core import failpoints
+from inferscale.core.procs import pid_alive, process_cpus
 
 if TYPE_CHECKING:
-    from inferscale.platform.settings import Settings
+    from inferscale.core.settings import Settings
 
 _read_files: ModuleType | None
 try:  # the C reads (optional: built where a C compiler was at install)

@@ -18,9 +18,9 @@ import torch
 
 from inferscale.contracts.layout import MemoryLayout
 from inferscale.contracts.plan import PREAMBLE
+from inferscale.core.settings import Settings
 from inferscale.kv.model_family import attention_shape
 from inferscale.kv.store import KVStore
-from inferscale.platform.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class FactEncoder:
 
 def load_encoder(settings: Settings) -> FactEncoder:
     """The encoder of the model, device and compute dtype the settings name."""
-    from inferscale.platform.model_prep import resolve_model_path
+    from inferscale.core.model_prep import resolve_model_path
 
     return FactEncoder(resolve_model_path(settings), device=settings.device,
                        dtype=compute_dtype(settings.encode_dtype))

@@ -31,13 +31,13 @@ from cachetools import LRUCache
 from inferscale.contracts.blob import KVBlob, decode_blob, encode_blob
 from inferscale.contracts.kv_format import RAW
 from inferscale.contracts.plan import LEAD
+from inferscale.core.procs import run_on_process_cpus
 from inferscale.kv.durable import BlobMissing, Durable, KVBlobError, Read, open_durable
 from inferscale.kv.host_arena import HostArena, pinned_buffer
 from inferscale.kv.kv_metrics import KV_METRICS
-from inferscale.platform.procs import run_on_process_cpus
 
 if TYPE_CHECKING:
-    from inferscale.platform.settings import Settings
+    from inferscale.core.settings import Settings
 
 __all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", "KVBlobError",
            "KVStore", "StoredBlob"]

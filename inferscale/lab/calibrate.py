@@ -149,9 +149,9 @@ def run(settings, data: Path, out: Path | None, conversations: Sequence[int] = (
     ``<data_dir>/key_scales/<model folder>.json``, ready for ``INFERSCALE_KEY_SCALES``); the
     points of other fact counts already in that file for this model are kept. Returns its path."""
     from inferscale.contracts.fingerprint import model_fingerprint
+    from inferscale.core.model_prep import resolve_model_path
     from inferscale.kv.encoder import load_encoder
     from inferscale.pipeline.embedder import load_embedder
-    from inferscale.platform.model_prep import resolve_model_path
 
     if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
         raise ValueError(f"fact counts (--k) must be distinct and >= 1, got {list(ks)}")

@@ -647,8 +647,8 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
     query_vectors = [embedder.encode([q])[0] for q in asked]
     scales = None
     if any(spec.partition("/")[0].endswith(SCALED) for spec in strategies):
+        from inferscale.core.model_prep import resolve_model_path
         from inferscale.kv.key_scales import resolve_key_scales
-        from inferscale.platform.model_prep import resolve_model_path
 
         scales = resolve_key_scales(settings.key_scales, resolve_model_path(settings),
                                     encoder.config.num_hidden_layers)

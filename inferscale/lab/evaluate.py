@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from inferscale.core.endpoints import resolve_kafka_bootstrap
+from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
@@ -33,8 +35,6 @@ from inferscale.lab.fidelity import compare
 from inferscale.lab.scoring import exact_match, locomo_f1
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import locomo_turns
-from inferscale.platform.endpoints import resolve_kafka_bootstrap
-from inferscale.platform.settings import Settings
 
 TOP_LOGPROBS = 20
 
@@ -159,9 +159,9 @@ class _Oracle:
 
     def __init__(self, settings: Settings):
         from inferscale.contracts.fingerprint import model_fingerprint
+        from inferscale.core.model_prep import resolve_model_path
         from inferscale.kv.encoder import load_encoder
         from inferscale.kv.store import KVStore
-        from inferscale.platform.model_prep import resolve_model_path
 
         self.encoder = load_encoder(settings)
         fingerprint = model_fingerprint(resolve_model_path(settings))

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from inferscale.core.settings import Settings
 from inferscale.devstack.demo import SAMPLE
-from inferscale.platform.settings import Settings
 from inferscale.serving.request_options import STRENGTH, default_recompute
 
 
 def _bench(args: argparse.Namespace, settings: Settings) -> int:
-    from inferscale.platform.model_prep import resolve_model_path
+    from inferscale.core.model_prep import resolve_model_path
 
     out = Path(args.out)
     data = Path(args.data)

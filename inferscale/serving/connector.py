@@ -33,11 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.core.settings import Settings, get_settings
 from inferscale.kv.key_scales import resolve_key_scales
 from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.kv.rope import ChunkedRope, model_head_dim
 from inferscale.kv.store import KVStore
-from inferscale.platform.settings import Settings, get_settings
 from inferscale.serving.connector_scheduler import ConnectorScheduler, InferScaleMetadata
 from inferscale.serving.connector_worker import ConnectorWorker, layer_groups
 

@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from inferscale.contracts.plan import PLAN_KEY, sign
+from inferscale.core.settings import Settings, get_settings
 from inferscale.kv.kv_metrics import KV_METRICS
-from inferscale.platform.settings import Settings, get_settings
 from inferscale.serving.asgi import (
     Downstream,
     adding,

@@ -37,8 +37,8 @@ from inferscale.contracts.scope import (
     ScopeValue,
     is_owner_id,
 )
+from inferscale.core.settings import KeyGrant, Settings
 from inferscale.db.memory_edits import FactRecord
-from inferscale.platform.settings import KeyGrant, Settings
 from inferscale.serving.access import Access, holds
 from inferscale.serving.browser_guard import page_headers
 from inferscale.serving.compose import MemoryRuntime
@@ -297,8 +297,8 @@ def build_router(service: MemoryService) -> APIRouter:
     async def add_turns(user_id: str, body: TurnsBody, request: Request) -> dict[str, Any]:
         """Published to the turn topic (keyed by the owner, so in order); each turn is
         accepted or refused with the reason. Facts follow once a worker extracts them."""
+        from inferscale.core.endpoints import InfraError, resolve_kafka_bootstrap
         from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
-        from inferscale.platform.endpoints import InfraError, resolve_kafka_bootstrap
 
         grant = admit(request, user_id, None, write=True)
         accepted: list[TurnEvent] = []

@@ -9,8 +9,8 @@ import asyncio
 import logging
 from typing import Any
 
+from inferscale.core.settings import Settings
 from inferscale.pipeline.kafka import kafka_security
-from inferscale.platform.settings import Settings
 from inferscale.serving.access import Access
 from inferscale.serving.compose import MemoryRuntime
 from inferscale.serving.metrics import FRONTEND_METRICS as M
@@ -42,7 +42,7 @@ class EngineMemory:
         self._invalidations: asyncio.Task | None = None
 
     def _bootstrap(self) -> str | None:
-        from inferscale.platform.endpoints import InfraError, resolve_kafka_bootstrap
+        from inferscale.core.endpoints import InfraError, resolve_kafka_bootstrap
 
         try:
             return resolve_kafka_bootstrap(self.settings)

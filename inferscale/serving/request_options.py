@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from inferscale.contracts.scope import Scope, ScopeValue, is_owner_id
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 from inferscale.serving.guards import FrontendError
 
 MAX_K = 200

@@ -13,11 +13,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from inferscale.core.endpoints import InfraError, resolve_kafka_bootstrap
+from inferscale.core.local_key import ensure_key, key_path
+from inferscale.core.model_prep import resolve_model_path
+from inferscale.core.settings import KeyGrant, Settings, settings_env
 from inferscale.db.engine import resolve_database_url
-from inferscale.platform.endpoints import InfraError, resolve_kafka_bootstrap
-from inferscale.platform.local_key import ensure_key, key_path
-from inferscale.platform.model_prep import resolve_model_path
-from inferscale.platform.settings import KeyGrant, Settings, settings_env
 
 log = logging.getLogger("inferscale.serving.serve")
 KV_TRANSFER_CONFIG = {
@@ -60,7 +60,7 @@ def api_keys_in(vllm_args: list[str]) -> list[str]:
 def memory_keys(settings: Settings, vllm_keys: list[str]) -> dict[str, KeyGrant]:
     """The API keys the server accepts: the configured ones; else vLLM's own ``--api-key``
     values, as admin keys (both are bearer keys: a request carries one); else, unless anonymous
-    memory was chosen, the local admin key (made on first use; ``platform/local_key.py``). Says
+    memory was chosen, the local admin key (made on first use; ``core/local_key.py``). Says
     at start which policy runs (never the key itself, except once, where it was just made, as
     the link of the memory inspector on the terminal that started the server)."""
     if settings.api_keys:

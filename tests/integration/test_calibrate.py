@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
+from inferscale.core.settings import Settings
 from inferscale.devstack.demo import SAMPLE
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.key_scales import load_key_scales
 from inferscale.lab import calibrate
 from inferscale.lab.drift import load_locomo
-from inferscale.platform.settings import Settings
 
 
 def test_fit_recovers_known_scales(tiny_models, embedder):

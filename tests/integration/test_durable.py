@@ -22,6 +22,9 @@ from sqlalchemy import insert
 
 from conftest import BUCKET
 from inferscale.contracts import blob as blob_format
+from inferscale.core import failpoints
+from inferscale.core.procs import process_cpus
+from inferscale.core.settings import S3Url, Settings, settings_env
 from inferscale.db.tables import facts
 from inferscale.kv import durable as durable_module
 from inferscale.kv.durable import Durable, LocalDir, S3Objects, open_durable, valid_location
@@ -32,9 +35,6 @@ from inferscale.kv.store import (
     KVStore,
 )
 from inferscale.pipeline.forget import forget_user, sweep_orphan_blobs
-from inferscale.platform import failpoints
-from inferscale.platform.procs import process_cpus
-from inferscale.platform.settings import S3Url, Settings, settings_env
 
 FP_A, FP_B = "a" * 64, "b" * 64
 HOSTILE_LOCATIONS = ["../x", "../../etc/passwd", "/etc/passwd", "a/../../x", "a//b", "a/./b",

@@ -67,7 +67,7 @@ def test_a_damaged_export_falls_back_to_torch_and_is_made_again(onnx_embedder, o
 def test_the_onnx_setting_refuses_what_is_not_a_boolean(value, monkeypatch):
     from pydantic import ValidationError
 
-    from inferscale.platform.settings import Settings
+    from inferscale.core.settings import Settings
 
     monkeypatch.setenv("INFERSCALE_EMBED_QUERIES_WITH_ONNX", value)
     with pytest.raises(ValidationError):

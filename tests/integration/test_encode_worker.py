@@ -16,6 +16,8 @@ from sqlalchemy import select, text
 from helpers import extract_all, sample_turns, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.contracts.plan import holds_lead, lead_name
+from inferscale.core import failpoints
+from inferscale.core.settings import Settings
 from inferscale.db.encode_queue import (
     PendingFact,
     claim_backfill_facts,
@@ -35,8 +37,6 @@ from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.forget import forget_user
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
-from inferscale.platform import failpoints
-from inferscale.platform.settings import Settings
 from workers.encode import EncodeWorker
 from workers.ingest import IngestWorker
 

@@ -438,7 +438,7 @@ async def test_a_turn_that_keeps_killing_the_extractor_is_kept_whole(settings, e
 def test_extraction_settings_refuse_bad_values(bad, monkeypatch):
     from pydantic import ValidationError
 
-    from inferscale.platform.settings import Settings
+    from inferscale.core.settings import Settings
 
     with pytest.raises(ValidationError):
         Settings(**bad)

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from conftest import EXTERNAL_INFRA
+from inferscale.core import endpoints
+from inferscale.core.settings import Settings
 from inferscale.devstack import infra
-from inferscale.platform import endpoints
-from inferscale.platform.settings import Settings
 
 
 @pytest.mark.skipif(EXTERNAL_INFRA, reason="suite runs against external infrastructure")

@@ -8,10 +8,10 @@ import pytest
 from sqlalchemy import func, select
 
 from helpers import extract_all, read_topic, sample_turns
+from inferscale.core.settings import Settings
 from inferscale.db.tables import facts
 from inferscale.db.turns import count_user_rows
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer, publish_turns
-from inferscale.platform.settings import Settings
 from workers.ingest import IngestWorker
 
 

@@ -13,6 +13,7 @@ from kvrows import with_kv
 from sqlalchemy import func, text
 
 from helpers import ingest_and_encode, sample_turns
+from inferscale.core import failpoints
 from inferscale.db.encode_queue import claim_pending_facts, count_pending_facts
 from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes, note_served
 from inferscale.db.tables import fact_kv, facts, memory_activity
@@ -20,7 +21,6 @@ from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.forget import forget_user
-from inferscale.platform import failpoints
 from workers.encode import EncodeWorker
 
 FACTS_EACH = 4

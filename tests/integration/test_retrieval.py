@@ -14,11 +14,11 @@ from pydantic import ValidationError
 from sqlalchemy import delete, select, text, update
 
 from inferscale.contracts.scope import Scope
+from inferscale.core.settings import Settings
 from inferscale.db.extract_queue import nearest_live_facts
 from inferscale.db.reads import memory_version
 from inferscale.db.tables import facts
 from inferscale.db.turns import NewFact, upsert_facts
-from inferscale.platform.settings import Settings
 from inferscale.serving.owner_index import OwnerIndex, OwnerVectors, _capacity, decode_vectors
 from inferscale.serving.retrieval import retrieve
 

@@ -38,13 +38,13 @@ from conftest import EXTERNAL_INFRA
 from helpers import read_topic, turn
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.contracts.plan import lead_name
+from inferscale.core import endpoints
+from inferscale.core.settings import Settings
 from inferscale.db.tables import fact_kv, facts, turns
 from inferscale.devstack import infra
 from inferscale.devstack.stack import settings_env
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.kafka import ensure_topics, make_producer
-from inferscale.platform import endpoints
-from inferscale.platform.settings import Settings
 
 pytestmark = pytest.mark.slow
 

@@ -26,10 +26,10 @@ from sqlalchemy import select
 from conftest import running_server
 from helpers import ingest_and_encode, max_logprob_diff, metric, tokens_and_logprobs, turn
 from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.core.settings import Settings
 from inferscale.db.tables import fact_kv, facts
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
-from inferscale.platform.settings import Settings
 from models import KINDS
 from workers.encode import EncodeWorker
 

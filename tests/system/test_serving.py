@@ -12,6 +12,7 @@ from sqlalchemy import delete, select, update
 from conftest import AUTH
 from helpers import ingest_and_encode, metric, sample_turns, turn
 from inferscale.contracts.plan import LEAD
+from inferscale.core import failpoints
 from inferscale.db.encode_queue import register_model
 from inferscale.db.tables import fact_kv, facts, kv_models
 from inferscale.db.turns import count_user_rows
@@ -20,7 +21,6 @@ from inferscale.kv import fused as kvwrite
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
-from inferscale.platform import failpoints
 from workers.encode import EncodeWorker
 
 pytestmark = pytest.mark.slow
@@ -370,7 +370,7 @@ async def test_forget_from_the_cli_reaches_the_running_server(served, smol, cfg,
     import subprocess
     import sys
 
-    from inferscale.platform.settings import settings_env
+    from inferscale.core.settings import settings_env
 
     encoder, store = smol
     user = f"cli-forget-{uuid.uuid4().hex[:6]}"

@@ -13,10 +13,10 @@ import pytest
 from pydantic import ValidationError
 
 from helpers import sample_turns, turn
+from inferscale.core.settings import Settings
 from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import worker_process
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
-from inferscale.platform.settings import Settings
 from workers import run
 from workers.ingest import IngestWorker
 from workers.observe import HealthServer

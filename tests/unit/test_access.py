@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from inferscale.contracts.scope import ANY, Scope
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 from inferscale.serving.access import Access
 from inferscale.serving.guards import FrontendError
 

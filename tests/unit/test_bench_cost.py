@@ -4,8 +4,8 @@ nothing; a tight one holds the tier under it after every round; blob bytes follo
 import numpy as np
 import pytest
 
+from inferscale.core.settings import Settings
 from inferscale.lab.bench.cost import Policy, blob_bytes, fact_bytes, lead_share_of, simulate
-from inferscale.platform.settings import Settings
 
 TTFT = {"host": 0.1, "disk": 0.15, "cold": 1.0}
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 from inferscale.serving.browser_guard import check_request, host_name, page_headers
 from inferscale.serving.guards import FrontendError
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from conftest import COMPOSE_ENDPOINTS, COMPOSE_ENV, COMPOSE_S3, ROOT, docker_problem
+from inferscale.core.settings import Settings
 from inferscale.pipeline.kafka import kafka_security
-from inferscale.platform.settings import Settings
 
 VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")  # ${NAME}, ${NAME:-default}, ${NAME:?why}
 CREDENTIALS = ("POSTGRES_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "KAFKA_SASL_USERNAME",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from inferscale.platform.settings_doc import configuration_markdown
+from inferscale.core.settings_doc import configuration_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -41,8 +41,8 @@ def relative_links(page: Path) -> list[tuple[str, Path]]:
 def test_configuration_page_is_generated_from_the_settings():
     page = (DOCS / "configuration.md").read_text(encoding="utf-8")
     assert page == configuration_markdown(), (
-        "docs/configuration.md is out of date with inferscale/platform/settings.py: run "
-        "`python -m inferscale.platform.settings_doc`")
+        "docs/configuration.md is out of date with inferscale/core/settings.py: run "
+        "`python -m inferscale.core.settings_doc`")
 
 
 def test_every_relative_link_points_to_a_file():

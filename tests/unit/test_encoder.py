@@ -125,8 +125,8 @@ def test_each_layer_gets_its_window_and_rope_parameters(tiny_models):
 
 
 def test_encode_dtype_setting_picks_the_compute_dtype(tiny_models):
+    from inferscale.core.settings import Settings
     from inferscale.kv.encoder import load_encoder
-    from inferscale.platform.settings import Settings
 
     auto = load_encoder(Settings(model_path=tiny_models["llama"], device="cpu"))
     bf16 = load_encoder(Settings(model_path=tiny_models["llama"], device="cpu",
@@ -151,7 +151,7 @@ def test_encode_dtype_setting_picks_the_compute_dtype(tiny_models):
 def test_fidelity_settings_refuse_bad_values(bad):
     from pydantic import ValidationError
 
-    from inferscale.platform.settings import Settings
+    from inferscale.core.settings import Settings
 
     with pytest.raises(ValidationError):
         Settings(**bad)

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inferscale.core.settings import Settings
 from inferscale.lab.evaluate import Config, configs, run, summarize
 from inferscale.lab.fidelity import bootstrap_mean_ci, compare, same_prefix, top_kl
-from inferscale.platform.settings import Settings
 
 
 def _top(logits: dict[int, float], keep: int) -> dict[int, float]:

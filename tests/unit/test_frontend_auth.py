@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 from inferscale.serving.frontend import MemoryFrontend
 
 

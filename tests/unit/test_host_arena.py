@@ -103,9 +103,9 @@ def test_page_ins_decode_the_same_from_the_arena(tmp_path, host_bytes):
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_bench_pagein_times_each_kind_of_memory_and_format(tiny_models, tmp_path, kind):
     """Gemma 3 (windows of 32 tokens, 132 injected): also the write within the windows."""
+    from inferscale.core.settings import Settings
     from inferscale.kv import fused
     from inferscale.lab.bench import pagein
-    from inferscale.platform.settings import Settings
 
     report = pagein.run(Settings(kv_url=None), tiny_models[kind], tmp_path, ks=(3,),
                         formats=("raw", "int4"))

@@ -11,8 +11,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import ValidationError
 
+from inferscale.core.settings import Settings, settings_env
 from inferscale.pipeline.kafka import kafka_security
-from inferscale.platform.settings import Settings, settings_env
 
 SCRAM = {"kafka_security_protocol": "SASL_PLAINTEXT", "kafka_sasl_mechanism": "SCRAM-SHA-512",
          "kafka_sasl_username": "inferscale", "kafka_sasl_password": "s3cret"}

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from hostile import json_values, tried
+from inferscale.core.settings import Settings
 from inferscale.kv.key_scales import (
     MAX_FILE_BYTES,
     SHIPPED_DIR,
@@ -20,7 +21,6 @@ from inferscale.kv.key_scales import (
     resolve_for_server,
     resolve_key_scales,
 )
-from inferscale.platform.settings import Settings
 
 
 def _file(*points: tuple[int, list]) -> dict:

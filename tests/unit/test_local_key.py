@@ -1,4 +1,4 @@
-"""The local admin key (``platform/local_key.py``): made once, private, found by this machine's
+"""The local admin key (``core/local_key.py``): made once, private, found by this machine's
 clients for a loopback server and never sent anywhere else."""
 
 import os
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from inferscale.platform.local_key import KEY_ENV, ensure_key, key_for, key_path, read_key
+from inferscale.core.local_key import KEY_ENV, ensure_key, key_for, key_path, read_key
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 from inferscale.serving.access import Access
 from inferscale.serving.memory_api import _after, _cursor, build_router
 

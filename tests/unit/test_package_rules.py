@@ -48,7 +48,7 @@ def _offenders(files, prefix: str) -> dict[str, list[str]]:
 
 
 def test_the_product_never_imports_the_dev_stack():
-    """Product code finds its broker and database through ``platform/endpoints.py``."""
+    """Product code finds its broker and database through ``core/endpoints.py``."""
     product = [p for p in PRODUCT if PACKAGE / "devstack" not in p.parents
                and str(p.relative_to(PACKAGE.parent)) not in DEV_COMMANDS]
     assert _offenders(product, "inferscale.devstack") == {}
@@ -89,3 +89,12 @@ def test_no_two_modules_share_a_name():
                if p.name not in ("__init__.py", "__main__.py")]
     shared = {name: n for name, n in Counter(p.stem for p in modules).items() if n > 1}
     assert shared == {}
+
+
+def test_no_package_is_named_after_a_stdlib_module():
+    """A folder named like a stdlib module (``platform``, ``logging``) shadows it for anyone who
+    runs a module from inside the package's folder, and misleads readers."""
+    import sys
+
+    folders = {p.parent.name for p in PRODUCT if p.name == "__init__.py"}
+    assert sorted(folders & sys.stdlib_module_names) == []

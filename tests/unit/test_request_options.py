@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostile import json_values, tried
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 from inferscale.serving.guards import FrontendError
 from inferscale.serving.request_options import (
     MAX_K,

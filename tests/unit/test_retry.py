@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from inferscale.platform.retry import retry_transient
+from inferscale.core.retry import retry_transient
 
 
 async def test_transient_errors_are_retried_with_a_growing_backoff():

@@ -4,8 +4,8 @@ or what vLLM arguments it gets."""
 
 import pytest
 
-from inferscale.platform.local_key import key_path, read_key
-from inferscale.platform.settings import Settings
+from inferscale.core.local_key import key_path, read_key
+from inferscale.core.settings import Settings
 from inferscale.serving.serve import api_keys_in, memory_keys
 
 

@@ -247,7 +247,7 @@ def test_one_store_serves_blobs_of_every_format_and_keeps_them_coded(tmp_path):
     from typing import get_args
 
     from inferscale.contracts.kv_format import FORMATS
-    from inferscale.platform.settings import KVFormat
+    from inferscale.core.settings import KVFormat
 
     assert set(get_args(KVFormat)) == set(FORMATS)  # the setting names every format
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
@@ -277,7 +277,7 @@ def test_one_store_serves_blobs_of_every_format_and_keeps_them_coded(tmp_path):
 def test_kv_format_and_budget_settings_refuse_bad_values(monkeypatch, name, value):
     from pydantic import ValidationError
 
-    from inferscale.platform.settings import Settings
+    from inferscale.core.settings import Settings
 
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError, match=name.removeprefix("INFERSCALE_").lower()):

@@ -34,8 +34,8 @@ import torch
 
 from inferscale.contracts.blob import encode_blob
 from inferscale.contracts.kv_format import FORMATS
+from inferscale.core.settings import Settings
 from inferscale.lab.bench.common import print_table, write_report
-from inferscale.platform.settings import Settings
 
 LLAMA_8B = (32, 8, 128)  # layers, KV heads, head_dim
 HOUR = 3600.0

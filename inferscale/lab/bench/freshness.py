@@ -13,15 +13,15 @@ from sqlalchemy import and_, select
 
 from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.core.endpoints import resolve_kafka_bootstrap
+from inferscale.core.model_prep import resolve_model_path
+from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.db.tables import fact_kv, facts, turns
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import prepare, server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer
-from inferscale.platform.endpoints import resolve_kafka_bootstrap
-from inferscale.platform.model_prep import resolve_model_path
-from inferscale.platform.settings import Settings
 
 
 async def _fresh(settings: Settings, url: str, n: int, poll_s: float) -> list[dict]:

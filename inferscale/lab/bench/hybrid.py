@@ -12,10 +12,10 @@ import asyncio
 import re
 from pathlib import Path
 
+from inferscale.core.settings import Settings
 from inferscale.devstack.stack import server_process
 from inferscale.lab.bench.common import print_table, write_report
 from inferscale.lab.bench.ttft import encoded_user, measure
-from inferscale.platform.settings import Settings
 
 MODES = ("text", "inject-m0", "prefix-hit")
 MANAGERS = {"on": [], "off": ["--disable-hybrid-kv-cache-manager"]}

@@ -11,15 +11,15 @@ from pathlib import Path
 from sqlalchemy import and_, func, select
 
 from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.core.endpoints import resolve_kafka_bootstrap
+from inferscale.core.model_prep import resolve_model_path
+from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.db.tables import fact_kv, facts, turns
 from inferscale.devstack.stack import prepare, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import read_turns
-from inferscale.platform.endpoints import resolve_kafka_bootstrap
-from inferscale.platform.model_prep import resolve_model_path
-from inferscale.platform.settings import Settings
 
 
 async def _one_run(settings: Settings, events, timeout_s: float) -> dict:

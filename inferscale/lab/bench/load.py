@@ -21,6 +21,9 @@ from sqlalchemy import text
 
 from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.core.endpoints import resolve_kafka_bootstrap
+from inferscale.core.model_prep import resolve_model_path
+from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.devstack.stack import server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
@@ -28,9 +31,6 @@ from inferscale.lab.bench.throughput import poisson_load
 from inferscale.lab.bench.ttft import ingest_user, prepare_user
 from inferscale.pipeline.kafka import kafka_security, make_producer
 from inferscale.pipeline.sources import read_turns
-from inferscale.platform.endpoints import resolve_kafka_bootstrap
-from inferscale.platform.model_prep import resolve_model_path
-from inferscale.platform.settings import Settings
 
 
 async def generate_turns(settings: Settings, texts: list[str], prefix: str, users: int,

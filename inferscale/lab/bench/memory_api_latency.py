@@ -18,13 +18,13 @@ import numpy as np
 
 from inferscale.client import AsyncMemoryClient
 from inferscale.contracts.fingerprint import model_fingerprint
+from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.lab.bench.retrieval_latency import store_encoded_facts
 from inferscale.lab.bench.ttft import ingest_user, prepare_user
-from inferscale.platform.settings import Settings
 
 FACTS_PER_OWNER = 10_000
 KV_TIMEOUT_S = 300.0

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from inferscale.contracts.kv_format import FORMATS, RAW
+from inferscale.core.settings import Settings
 from inferscale.kv import fused
 from inferscale.kv.chain import SKIP, LayerSlots
 from inferscale.kv.durable import Alloc, Durable, LocalDir, Read, S3Objects
@@ -35,7 +36,6 @@ from inferscale.kv.model_family import attention_shape
 from inferscale.kv.rope import ChunkedRope, model_head_dim
 from inferscale.kv.store import KVStore
 from inferscale.lab.bench.common import print_table, write_report
-from inferscale.platform.settings import Settings
 
 TOKENS_PER_FACT = 44  # LoCoMo turn facts with SmolLM2's tokenizer, on average
 REPEATS = 5

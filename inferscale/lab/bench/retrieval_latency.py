@@ -18,13 +18,13 @@ import numpy as np
 from sqlalchemy import delete, select, text, update
 
 from inferscale.contracts.plan import sign
+from inferscale.core.settings import Settings
 from inferscale.db.encode_queue import register_model
 from inferscale.db.reads import top_k_facts
 from inferscale.db.tables import fact_kv, facts
 from inferscale.db.turns import NewFact, upsert_facts
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.pipeline.embedder import Embedder, load_embedder
-from inferscale.platform.settings import Settings
 from inferscale.serving.compose import MemoryRuntime, compose
 from inferscale.serving.owner_index import OwnerIndex
 from inferscale.serving.request_options import MemoryOptions

@@ -15,11 +15,11 @@ from typing import Any
 
 import httpx
 
+from inferscale.core.settings import Settings
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import server_process, worker_process
 from inferscale.lab.bench.common import percentile, print_table, write_report
 from inferscale.lab.bench.ttft import ingest_user, prepare_user
-from inferscale.platform.settings import Settings
 
 
 async def poisson_load(url: str, user: str, questions: list[str], mode: str, k: int, rate: float,

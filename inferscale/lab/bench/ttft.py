@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from inferscale.core.endpoints import resolve_kafka_bootstrap
+from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import ChatResult, scrape, stream_chat, totals
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
@@ -21,8 +23,6 @@ from inferscale.lab.bench.common import auto_costs, percentile, print_table, wri
 from inferscale.lab.bench.cpu import per_process, thread_times
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import read_turns
-from inferscale.platform.endpoints import resolve_kafka_bootstrap
-from inferscale.platform.settings import Settings
 
 MODES = ("inject", "inject-m0", "inject-m2", "prefix-hit", "text", "none")
 DISK_MODE = "inject-disk"  # inject on a server whose memory tiers hold nothing

@@ -9,8 +9,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferscale.platform.procs import pid_alive
-from inferscale.platform.settings import Settings
+from inferscale.core.procs import pid_alive
+from inferscale.core.settings import Settings
 
 DATABASE_NAME = "inferscale"
 

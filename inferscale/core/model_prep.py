@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferscale.platform.settings import Settings
+from inferscale.core.settings import Settings
 
 log = logging.getLogger("inferscale.model")
 
