@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from inferscale.core.settings import Settings
 from inferscale.devstack.demo import SAMPLE
@@ -66,7 +67,18 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         if args.ttft_report is None:
             raise SystemExit("bench cost needs --ttft-report (a bench ttft report)")
         cost.run(settings, data, resolve_model_path(settings), out, Path(args.ttft_report),
-                 users=args.users, hours=args.hours, rate=args.rate)
+                 users=args.users or 10_000, hours=args.hours, rate=args.rate or 2.0)
+    elif args.which == "soak":
+        from inferscale.lab.bench import soak
+
+        given: dict[str, Any] = {name: value for name, value in (
+            ("minutes", args.minutes), ("users", args.users), ("request_rate", args.rate),
+            ("clients", args.clients), ("turn_rate", args.turn_rate),
+            ("budget_mb", args.budget_mb), ("user_budget_mb", args.user_budget_mb),
+            ("faults", tuple(args.faults) if args.faults is not None else None))
+            if value is not None}
+        report = soak.run(settings, data, out, soak.SoakConfig(**given))
+        return 0 if report["checks"]["passed"] else 1
     elif args.which == "inject":
         from transformers import AutoConfig
 
@@ -140,7 +152,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "hybrid", "throughput", "ingest",
                                      "freshness", "load", "extract", "retrieval", "pagein",
-                                     "inject", "cost", "memory-api"])
+                                     "inject", "cost", "memory-api", "soak"])
     p.add_argument("--data", default=str(SAMPLE),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
@@ -156,9 +168,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="inject: skip the model-forward baseline")
     p.add_argument("--ttft-report", help="cost: the bench ttft report (ttft.json) whose "
                                          "medians time hot and cold requests")
-    p.add_argument("--users", type=int, default=10_000, help="cost: simulated users")
+    p.add_argument("--users", type=int,
+                   help="cost: simulated users (10,000); soak: users (60)")
     p.add_argument("--hours", type=float, default=6.0, help="cost: simulated hours")
-    p.add_argument("--rate", type=float, default=2.0, help="cost: requests per second")
+    p.add_argument("--rate", type=float,
+                   help="cost: requests per second (2); soak: questions and memory edits per "
+                        "second, all clients (1)")
+    p.add_argument("--minutes", type=float, help="soak: how long the load runs (30)")
+    p.add_argument("--clients", type=int, help="soak: concurrent OpenAI-API clients (4)")
+    p.add_argument("--turn-rate", type=float, help="soak: turns published per second (0.1)")
+    p.add_argument("--budget-mb", type=float, help="soak: the durable tier's KV budget (80)")
+    p.add_argument("--user-budget-mb", type=float, help="soak: each user's KV budget (3)")
+    p.add_argument("--faults", nargs="*", choices=["worker", "broker", "postgres", "server"],
+                   help="soak: faults, spread evenly over the run (default: all four)")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none; "
