@@ -9,6 +9,13 @@ from pathlib import Path
 
 import torch
 
+from inferscale.core.settings import Settings
+
+# Where a run's infrastructure, files and secrets are: not settings a figure depends on.
+_PLACES = {"kafka_bootstrap", "database_url", "data_dir", "kafka_sasl_password", "llm_api_key",
+           "turns_topic", "dead_letter_topic", "consumer_group", "worker_http_port",
+           "model_path", "kv_dir", "kv_url", "server_host", "server_port", "api_keys",
+           "vllm_api_keys", "plan_secret"}
 
 def machine() -> dict:
     """What the figures were measured on."""
@@ -16,6 +23,20 @@ def machine() -> dict:
 
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def settings_differing(settings: Settings) -> dict:
+    """The settings whose values differ from their defaults (secrets and where the run's
+    infrastructure and files are left out), as JSON values."""
+    dumped = settings.model_dump(mode="json")
+    out = {}
+    for name, field in Settings.model_fields.items():
+        if name in _PLACES:
+            continue
+        default = field.get_default(call_default_factory=True)
+        if dumped[name] != Settings.model_validate({name: default}).model_dump(mode="json")[name]:
+            out[name] = dumped[name]
+    return out
 
 
 def percentile(values: list[float], q: int) -> float | None:

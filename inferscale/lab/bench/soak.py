@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -42,7 +43,7 @@ from inferscale.devstack.chat_client import parse_metrics, totals
 from inferscale.devstack.stack import prepare, sharing_cores
 from inferscale.kv.store import KVStore
 from inferscale.lab.bench import cost, soak_checks
-from inferscale.lab.bench.common import print_table, write_report
+from inferscale.lab.bench.common import print_table, settings_differing, write_report
 from inferscale.lab.bench.soak_load import LoadLog, client_loop, publish_loop
 from inferscale.lab.bench.soak_population import Population, build
 from inferscale.lab.bench.soak_timeline import Accumulator, per_minute, plot, summarise
@@ -142,7 +143,8 @@ class Processes:
 @contextlib.contextmanager
 def durable_broker(settings: Settings) -> Iterator[tuple[str, Callable[[], None]]]:
     """The embedded broker (tansu) on S3 storage served by moto_server, in ``settings``'
-    infra folder: its bootstrap address and how to restart it (topics and offsets survive)."""
+    infra folder: its bootstrap address and how to restart it (topics and offsets survive). On
+    exit, the infra of that folder stops (Postgres too, where it was started there)."""
     port = infra._free_port()
     moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -184,13 +186,9 @@ def owned_stack(settings: Settings) -> Iterator[tuple[Settings, Restarts]]:
     own = settings.model_copy(update={"data_dir": root, "model_path": model_path,
                                       "kafka_bootstrap": None, "database_url": None,
                                       "kv_dir": None, "kv_url": None})
-    with durable_broker(own.model_copy(update={"data_dir": root / "broker"})) as (bootstrap,
-                                                                                restart):
+    with durable_broker(own) as (bootstrap, restart):  # `prepare` then reuses it
         own = prepare(own.model_copy(update={"kafka_bootstrap": bootstrap}))
-        try:
-            yield own, Restarts(broker=restart, postgres=lambda: infra.restart_postgres(own))
-        finally:
-            infra.down(own)
+        yield own, Restarts(broker=restart, postgres=lambda: infra.restart_postgres(own))
 
 
 WORKER_COUNTERS = {"encoded": "inferscale_worker_facts_encoded_total",
@@ -258,6 +256,19 @@ async def _claim_in_flight(engine, timeout_s: float = 120) -> bool:
     return False
 
 
+async def _worker_ready(procs: Processes, timeout_s: float = 600) -> None:
+    """Wait until a worker answers /readyz (the supervisor restarts a dead one)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2) as http:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                url = f"http://127.0.0.1:{procs.settings.worker_http_port}/readyz"
+                if procs.worker is not None and procs.worker.poll() is None and (
+                        await http.get(url)).status_code == 200:
+                    return
+            await asyncio.sleep(0.5)
+
+
 async def _faults(procs: Processes, restarts: Restarts, engine, config: SoakConfig,
                   began: float, log: list[dict]) -> None:
     """Each fault of ``config.faults`` once, evenly spread over the run."""
@@ -272,6 +283,7 @@ async def _faults(procs: Processes, restarts: Restarts, engine, config: SoakConf
             entry["at"] = time.time()
             assert procs.worker is not None
             os.killpg(procs.worker.pid, signal.SIGKILL)
+            await _worker_ready(procs)
         elif what == "server":
             entry["at"] = time.time()
             procs.kill_server()
@@ -393,6 +405,9 @@ async def _report(settings: Settings, data: Path, config: SoakConfig, engine, mo
                   procs: Processes, began: float, ended: float, drain_s: float, budget: int | None,
                   user_budget: int | None, out_dir: Path) -> dict:
     """The end-of-run checks, the figures per minute and overall, the model beside them."""
+    (out_dir / "soak-answers.jsonl").write_text("".join(  # first: the raw log survives
+        json.dumps(asdict(a)) + "\n" for a in load.answers))
+    (out_dir / "soak-samples.json").write_text(json.dumps(samples))
     async with engine.connect() as conn:
         stored, facts = await soak_checks.stored_rows(conn, prefix)
         owners = await soak_checks.fact_owners(conn, (f for a in load.answers
@@ -460,10 +475,7 @@ async def _report(settings: Settings, data: Path, config: SoakConfig, engine, mo
                    for lo, hi in ((0, quarter), (minutes - quarter, minutes)))
     report = {
         "config": {**asdict(config), "faults": list(config.faults)},
-        "settings_differing": {"kv_budget_bytes": budget, "kv_user_budget_bytes": user_budget,
-                               "kv_evict_grace_s": config.grace_s,
-                               "kv_evict_interval_s": config.evict_interval_s,
-                               "kafka_storage": "s3://tansu/ (moto_server)"},
+        "settings_differing": settings_differing(settings),
         "data": {"file": str(data), "users": config.users,
                  "turns_published": len(load.published), "questions": len(asked),
                  "edits": len(load.edits)},
@@ -481,8 +493,6 @@ async def _report(settings: Settings, data: Path, config: SoakConfig, engine, mo
         "checks": checks, "per_minute": rows, "samples": samples,
     }
     write_report(out_dir, "soak", report)
-    (out_dir / "soak-answers.jsonl").write_text("".join(
-        json.dumps(asdict(a)) + "\n" for a in load.answers))
     plot(rows, [s for s in samples if "kv_held_bytes" in s], began, budget, fault_log,
          out_dir / "soak.png")
     print_table(["minute", "requests", "injected", "partial", "text-fallback", "inject p50",
@@ -520,6 +530,8 @@ def commit() -> str | None:
 def run(settings: Settings, data: Path, out_dir: Path, config: SoakConfig) -> dict:
     """`inferscale bench soak`: on infrastructure of its own (embedded Postgres, the broker on
     moto's S3), or on the configured endpoints (then no broker or Postgres restarts)."""
+    for name in ("httpx", "httpx2"):  # the clients' request lines: thousands
+        logging.getLogger(name).setLevel(logging.WARNING)
     with contextlib.ExitStack() as stack:
         if settings.kafka_bootstrap and settings.database_url:
             settings, restarts = prepare(settings), Restarts()

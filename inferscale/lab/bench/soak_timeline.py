@@ -105,7 +105,8 @@ def per_minute(answers: Sequence[Answer], samples: Sequence[dict], began: float,
         inside = [s for s in samples if lo <= s["at"] < hi]
         before = [s for s in samples if s["at"] < lo]
         if inside:
-            row["kv_held_bytes_max"] = max(s["kv_held_bytes"] for s in inside)
+            row["kv_held_bytes_max"] = max((s["kv_held_bytes"] for s in inside
+                                            if "kv_held_bytes" in s), default=None)
             start = before[-1] if before else inside[0]
             row["increase"] = {k: inside[-1]["totals"].get(k, 0) - start["totals"].get(k, 0)
                                for k in inside[-1]["totals"]}
