@@ -187,7 +187,8 @@ def owned_stack(settings: Settings) -> Iterator[tuple[Settings, Restarts]]:
                                       "kafka_bootstrap": None, "database_url": None,
                                       "kv_dir": None, "kv_url": None})
     with durable_broker(own) as (bootstrap, restart):  # `prepare` then reuses it
-        own = prepare(own.model_copy(update={"kafka_bootstrap": bootstrap}))
+        own = prepare(own.model_copy(update={"kafka_bootstrap": bootstrap,
+                                             "kafka_storage": "s3://tansu/"}))
         yield own, Restarts(broker=restart, postgres=lambda: infra.restart_postgres(own))
 
 
