@@ -214,7 +214,7 @@ async def _sample(engine, procs: Processes, config: SoakConfig, budget: int | No
     worker_acc, server_acc = Accumulator(), Accumulator()
     async with httpx.AsyncClient(timeout=5) as http:
         while not stop.is_set():
-            sample: dict = {"at": time.time()}
+            sample: dict = {"at": time.time(), "loadavg_1m": os.getloadavg()[0]}
             with contextlib.suppress(Exception):  # Postgres may be restarting
                 async with engine.connect() as conn:
                     held = await soak_checks.budget_sample(conn, sample["at"], config.grace_s,
