@@ -130,3 +130,12 @@ def test_population_users_hold_distinct_memories_with_zipf_activity():
     assert all(t.user_id == u.id == t.conversation_id
                for u, turns in zip(population.users, first, strict=True) for t in turns)
     assert len({tuple(t.text for t in turns) for turns in first}) == len(first)
+
+
+def test_results_record_only_the_settings_that_differ_from_the_defaults(tmp_path):
+    from inferscale.core.settings import Settings
+    from inferscale.lab.bench.common import settings_differing
+
+    settings = Settings(kv_budget_bytes=5, kv_evict_grace_s=30, data_dir=tmp_path,
+                        server_port=9, plan_secret="s")
+    assert settings_differing(settings) == {"kv_budget_bytes": 5, "kv_evict_grace_s": 30.0}
