@@ -74,6 +74,9 @@ class SoakConfig:
     zipf_a: float = 1.1
     seed: int = 0
     drain_s: float = 600.0  # after the load: time for every published turn to be stored
+    # The budget check allows what the policy allowed at any moment this long before a sample
+    # (eviction rounds run before encode batches: a round waits for a slow batch).
+    bound_window_s: float = 90.0
     server_args: tuple[str, ...] = ()
 
 
@@ -218,7 +221,7 @@ async def _sample(engine, procs: Processes, config: SoakConfig, budget: int | No
             with contextlib.suppress(Exception):  # Postgres may be restarting
                 async with engine.connect() as conn:
                     held = await soak_checks.budget_sample(conn, sample["at"], config.grace_s,
-                                                           2 * config.evict_interval_s)
+                                                           config.bound_window_s)
                     sample.update((await conn.execute(QUEUE)).one()._asdict())
                 sample["kv_held_bytes"] = held.total
                 sample["kv_user_max_bytes"] = max(held.held.values(), default=0)
@@ -335,6 +338,7 @@ def _model_comparison(settings: Settings, config: SoakConfig, live: dict) -> dic
 async def soak(settings: Settings, data: Path, out_dir: Path, config: SoakConfig,
                restarts: Restarts) -> dict:
     """The run on infrastructure ``settings`` points at; the report."""
+    code_commit = commit()  # the code that runs (a commit made during the run is not it)
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = out_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -392,7 +396,7 @@ async def soak(settings: Settings, data: Path, out_dir: Path, config: SoakConfig
         await asyncio.gather(sampler, supervisor)
         report = await _report(settings, data, config, engine, model, prefix, load, samples,
                                fault_log, procs, began, ended, drain_s, budget, user_budget,
-                               out_dir)
+                               out_dir, code_commit)
     finally:
         stop.set()
         sampling.set()
@@ -404,7 +408,7 @@ async def soak(settings: Settings, data: Path, out_dir: Path, config: SoakConfig
 async def _report(settings: Settings, data: Path, config: SoakConfig, engine, model: str,
                   prefix: str, load: LoadLog, samples: list[dict], fault_log: list[dict],
                   procs: Processes, began: float, ended: float, drain_s: float, budget: int | None,
-                  user_budget: int | None, out_dir: Path) -> dict:
+                  user_budget: int | None, out_dir: Path, code_commit: str | None) -> dict:
     """The end-of-run checks, the figures per minute and overall, the model beside them."""
     (out_dir / "soak-answers.jsonl").write_text("".join(  # first: the raw log survives
         json.dumps(asdict(a)) + "\n" for a in load.answers))
@@ -469,7 +473,7 @@ async def _report(settings: Settings, data: Path, config: SoakConfig, engine, mo
         "ttft_text_fallback_p50_s": overall["kinds"]["text-fallback"]["ttft_p50_s"],
         "ttft_text_prefill_p50_s": overall["kinds"]["text-prefill"]["ttft_p50_s"],
     }
-    minutes = int(np.ceil((ended - began) / 60))
+    minutes = max(1, round((ended - began) / 60))
     rows = per_minute(during, samples, began, minutes)
     quarter = max(1, minutes // 4)
     first, last = (summarise([a for a in during if lo <= (a.started - began) / 60 < hi])
@@ -480,7 +484,7 @@ async def _report(settings: Settings, data: Path, config: SoakConfig, engine, mo
         "data": {"file": str(data), "users": config.users,
                  "turns_published": len(load.published), "questions": len(asked),
                  "edits": len(load.edits)},
-        "model": str(resolve_model_path(settings)), "commit": commit(),
+        "model": str(resolve_model_path(settings)), "commit": code_commit,
         "began": began, "ended": ended, "drain_s": round(drain_s, 1),
         "faults": fault_log, "worker_deaths": procs.deaths,
         "publish_retries": load.publish_retries, "edit_errors": len(load.edit_errors),

@@ -4,8 +4,11 @@ re-encodable, no answer served a retired or another user's fact, the KV budgets 
 The comparisons are pure functions of the load's logs and rows read from Postgres (unit-tested);
 the queries that read those rows are here too. A budget is held when, at every sample, the tier
 holds no more than the larger of its budget and the KV served within the eviction grace (which
-the policy spares), plus the KV encoded since the last eviction rounds (which no round has seen
-yet): the margin the policy states (``db/kv_budget.py``).
+the policy spares), plus the KV encoded since the last eviction round (which no round has seen
+yet): the margin the policy states (``db/kv_budget.py``). A sample cannot see when the last round
+ran (a round runs before an encode batch once its interval is due, so a slow batch delays it),
+so it allows what the policy allowed at any moment of a window ``recent_s`` before it: KV in the
+grace then, and KV encoded since.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ def foreign_answers(answers: Iterable[Answer], owners: dict[int, str]) -> list[d
 
 @dataclass(frozen=True)
 class BudgetSample:
-    """What the KV tier held at one moment, by user: bytes held, of them served within the
-    grace, and encoded since the last eviction rounds (or held by an encode)."""
+    """What the KV tier held at one moment, by user: bytes held, of them in the grace at some
+    moment of the window before it, and encoded within that window (or held by an encode)."""
 
     at: float
     held: dict[str, int]
@@ -81,7 +84,8 @@ def budget_excess(sample: BudgetSample, budget: int | None, user_budget: int | N
 _HELD = text("""
     SELECT f.user_id, sum(coalesce(k.kv_bytes, 0)) AS held,
            coalesce(sum(k.kv_bytes) FILTER (
-               WHERE k.served_at >= now() - make_interval(secs => :grace_s)), 0) AS in_grace,
+               WHERE k.served_at >= now() - make_interval(secs => :grace_s + :recent_s)), 0)
+               AS in_grace,
            coalesce(sum(k.kv_bytes) FILTER (
                WHERE k.encoded_at >= now() - make_interval(secs => :recent_s)
                   OR k.claimed_until > now()), 0) AS recent
@@ -93,7 +97,8 @@ _HELD = text("""
 
 async def budget_sample(conn: AsyncConnection, at: float, grace_s: float, recent_s: float
                         ) -> BudgetSample:
-    """The tier's bytes now, every model's (as the budgets count them)."""
+    """The tier's bytes now, every model's (as the budgets count them), against what the
+    policy allowed within the last ``recent_s`` seconds."""
     rows = (await conn.execute(_HELD, {"grace_s": grace_s, "recent_s": recent_s})).all()
     return BudgetSample(at, {r.user_id: int(r.held) for r in rows},
                         {r.user_id: int(r.in_grace) for r in rows},

@@ -117,7 +117,7 @@ def per_minute(answers: Sequence[Answer], samples: Sequence[dict], began: float,
 def plot(rows: list[dict], samples: list[dict], began: float, budget: int | None,
          faults: list[dict], path: Path) -> None:
     """Four panels over time: TTFT p50 by kind, the TTFT ratio on pairs, answer shares, KV held
-    against the budget; faults as vertical lines."""
+    against the budget (and the host's load average); faults as vertical lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,7 +151,11 @@ def plot(rows: list[dict], samples: list[dict], began: float, budget: int | None
         axes[3].axhline(budget / 1e6, color="grey", linestyle=":", label="budget")
     axes[3].set_ylabel("durable KV (MB)")
     axes[3].set_xlabel("minute of the soak")
-    axes[3].legend(fontsize=7)
+    axes[3].legend(fontsize=7, loc="lower left")
+    load = axes[3].twinx()  # the host's load: other work on the same cores shows here
+    load.plot([(s["at"] - began) / 60 for s in samples], [s["loadavg_1m"] for s in samples],
+              color="grey", alpha=0.5, linewidth=0.8)
+    load.set_ylabel("host load average (1 min)", color="grey")
     for fault in faults:
         for ax in axes:
             ax.axvline((fault["at"] - began) / 60, color="red", alpha=0.3)
