@@ -49,6 +49,8 @@ async def test_short_soak_loses_nothing_and_serves_nothing_stale(base_settings, 
             checks["turns"]["facts_lost"], checks["turns"]["facts_duplicated"]) == (0, 0, 0, 0)
     assert not {"broken", "quarantined", "failed"} & set(checks["kv"]), checks["kv"]
     assert checks["stale_answers"] == [] and checks["foreign_answers"] == []
+    # sampled all along (a few samples may meet Postgres restarting), and within the bound
+    assert checks["budget"]["samples"] >= 0.8 * len(report["samples"]), report["samples"][-3:]
     assert checks["budget"]["tier_over_bound"] == [] and checks["budget"]["user_over_bound"] == []
     assert checks["passed"]
     # The run did what it is for: answers, edits, evictions and KV encoded again.

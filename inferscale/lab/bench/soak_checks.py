@@ -84,7 +84,7 @@ def budget_excess(sample: BudgetSample, budget: int | None, user_budget: int | N
 _HELD = text("""
     SELECT f.user_id, sum(coalesce(k.kv_bytes, 0)) AS held,
            coalesce(sum(k.kv_bytes) FILTER (
-               WHERE k.served_at >= now() - make_interval(secs => :grace_s + :recent_s)), 0)
+               WHERE k.served_at >= now() - make_interval(secs => :grace_window_s)), 0)
                AS in_grace,
            coalesce(sum(k.kv_bytes) FILTER (
                WHERE k.encoded_at >= now() - make_interval(secs => :recent_s)
@@ -99,7 +99,8 @@ async def budget_sample(conn: AsyncConnection, at: float, grace_s: float, recent
                         ) -> BudgetSample:
     """The tier's bytes now, every model's (as the budgets count them), against what the
     policy allowed within the last ``recent_s`` seconds."""
-    rows = (await conn.execute(_HELD, {"grace_s": grace_s, "recent_s": recent_s})).all()
+    rows = (await conn.execute(_HELD, {"grace_window_s": grace_s + recent_s,
+                                       "recent_s": recent_s})).all()
     return BudgetSample(at, {r.user_id: int(r.held) for r in rows},
                         {r.user_id: int(r.in_grace) for r in rows},
                         {r.user_id: int(r.recent) for r in rows})
