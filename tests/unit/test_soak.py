@@ -139,3 +139,19 @@ def test_results_record_only_the_settings_that_differ_from_the_defaults(tmp_path
     settings = Settings(kv_budget_bytes=5, kv_evict_grace_s=30, data_dir=tmp_path,
                         server_port=9, plan_secret="s")
     assert settings_differing(settings) == {"kv_budget_bytes": 5, "kv_evict_grace_s": 30.0}
+
+
+def test_the_cost_model_runs_with_the_live_parameters_or_says_why_not():
+    from inferscale.core.settings import Settings
+    from inferscale.lab.bench.soak import SoakConfig, _model_comparison
+
+    live = {"facts_per_user": [6, 9, 12], "bytes_per_fact": 5e5, "question_rate": 0.5,
+            "encoded_per_s": 0.7, "hit_rate_all_injected": 0.1, "hit_rate_any_injected": 0.7,
+            "reencoded_facts_per_hour": 100.0, "ttft_p50_s": 0.3, "ttft_p99_s": 2.0,
+            "ttft_injected_p50_s": 0.2, "ttft_text_fallback_p50_s": None,
+            "ttft_text_prefill_p50_s": 0.4}
+    config = SoakConfig(minutes=5, budget_mb=3)
+    compared = _model_comparison(Settings(), config, live)
+    assert 0 <= compared["model"]["hit_rate"] <= 1 and compared["ttft_s_used"]["cold"] == 0.4
+    assert compared["measured"]["hit_rate_any_injected"] == 0.7
+    assert "skipped" in _model_comparison(Settings(), config, {**live, "ttft_injected_p50_s": None})

@@ -322,6 +322,8 @@ def _model_comparison(settings: Settings, config: SoakConfig, live: dict) -> dic
     at its start, no per-user budget."""
     ttft = {"host": live["ttft_injected_p50_s"], "disk": live["ttft_injected_p50_s"],
             "cold": live["ttft_text_fallback_p50_s"] or live["ttft_text_prefill_p50_s"]}
+    if None in ttft.values():
+        return {"skipped": "no injected or no text answer to time the model's requests with"}
     policy = cost.Policy(budget_bytes=config.budget_mb * 1e6, grace_s=config.grace_s,
                          interval_s=config.evict_interval_s,
                          headroom=settings.kv_budget_headroom,
@@ -496,7 +498,7 @@ async def _report(settings: Settings, data: Path, config: SoakConfig, engine, mo
             last["ttft_ratio_text_over_inject"] / first["ttft_ratio_text_over_inject"]
             if first["ttft_ratio_text_over_inject"] and last["ttft_ratio_text_over_inject"]
             else None),
-        "cost_model": _model_comparison(settings, config, live) if answered else None,
+        "cost_model": _model_comparison(settings, config, live),
         "checks": checks, "per_minute": rows, "samples": samples,
     }
     write_report(out_dir, "soak", report)
