@@ -14,12 +14,12 @@ is ranked by Postgres instead (exact, slower: ~2.5 us per fact).
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
+from cachetools import LRUCache
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from inferscale.contracts.scope import ANY, SCOPE_FIELDS, Scope
@@ -101,6 +101,22 @@ def _unit(rows: np.ndarray) -> np.ndarray:
     return rows / np.where(norms > 0, norms, 1)
 
 
+class OwnerLRU(LRUCache[str, OwnerVectors]):
+    """Owners' vectors within ``max_bytes``, least recently used out first. An owner admitted
+    by its rows (``live x ROW_BYTES`` within the budget) whose spare rows take it past the
+    budget counts as the whole budget: it is held alone. Each owner's reload lock leaves with
+    it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(maxsize=max_bytes, getsizeof=lambda v: min(v.nbytes, max_bytes))
+        self.locks: dict[str, asyncio.Lock] = {}
+
+    def popitem(self) -> tuple[str, OwnerVectors]:
+        user_id, owner = super().popitem()
+        self.locks.pop(user_id, None)
+        return user_id, owner
+
+
 class OwnerIndex:
     """Per-owner embedding matrices kept current against Postgres (one per server process);
     hits come with their KV for the model ``fingerprint``."""
@@ -109,12 +125,11 @@ class OwnerIndex:
         self.engine = engine
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
-        self._owners: OrderedDict[str, OwnerVectors] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._owners = OwnerLRU(max_bytes)
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self._owners.values())
+        return int(self._owners.currsize)
 
     def __contains__(self, user_id: object) -> bool:
         """Whether this owner's vectors are held now (else the next search loads them)."""
@@ -130,11 +145,9 @@ class OwnerIndex:
         if k <= 0:
             return []
         query = _unit(np.asarray(query, np.float32))
-        owner = self._owners.get(user_id)
+        owner = self._owners.get(user_id)  # recently used
         if owner is None:
             owner = await self.current(user_id)
-        else:
-            self._owners.move_to_end(user_id)  # recently used
         for _ in range(CATCH_UPS):
             if owner is None:  # larger than the budget: Postgres ranks them
                 async with self._connect() as conn:
@@ -161,13 +174,12 @@ class OwnerIndex:
             return None
         cached = self._owners.get(user_id)
         if cached is not None and cached.version == version:
-            self._owners.move_to_end(user_id)
             return cached
-        async with self._locks.setdefault(user_id, asyncio.Lock()):
+        async with self._owners.locks.setdefault(user_id, asyncio.Lock()):
             cached = self._owners.get(user_id)  # a concurrent reload may have done it
             if cached is None or cached.version != version:
                 cached = await self._reload(user_id, cached)
-                self._keep(user_id, cached)
+                self._owners[user_id] = cached
         return cached
 
     async def _reload(self, user_id: str, cached: OwnerVectors | None) -> OwnerVectors:
@@ -193,13 +205,6 @@ class OwnerIndex:
             assert cached is not None  # a delta to append is read only against a cached owner
             return await loop.run_in_executor(None, _append, cached, delta, fetched)
         return await loop.run_in_executor(None, _rebuild, cached, delta, fetched)
-
-    def _keep(self, user_id: str, owner: OwnerVectors) -> None:
-        self._owners[user_id] = owner
-        self._owners.move_to_end(user_id)
-        while len(self._owners) > 1 and self.nbytes > self.max_bytes:
-            evicted, _ = self._owners.popitem(last=False)
-            self._locks.pop(evicted, None)
 
     @asynccontextmanager
     async def _connect(self) -> AsyncIterator[AsyncConnection]:
