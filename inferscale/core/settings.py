@@ -169,9 +169,10 @@ class Settings(BaseSettings):
     encode_backfill: bool = True
     # Every encode stage registers its model, and then encodes every live fact for it too (the
     # facts of before after fresh ones), keeping other models' KV for their servers: one memory
-    # served by several models. Model migration: when nothing else waits, the stage drops
-    # every other model's KV of the facts that have this model's, so a fleet that moved to this
-    # model stops holding the old one's. Turn it on for the workers of the model moved to only.
+    # served by several models. Model migration: while no fact waits for this model's KV, the
+    # maintenance stage drops every other model's KV of the facts that have this model's, so a
+    # fleet that moved to this model stops holding the old one's. Turn it on for the workers of
+    # the model moved to only.
     encode_migrate: bool = False
     # Lead encoding: the worker also stores a fact's KV encoded after the preamble alone, and
     # the server injects it for the fact it serves first (right after the preamble, where that
@@ -190,8 +191,8 @@ class Settings(BaseSettings):
     # after it.
     kv_format: KVFormat = "int4"
     lead_kv_format: KVFormat | None = None  # the lead encodings' format (None: kv_format)
-    # KV budget of the durable tier, in bytes (None: none). The encode stage evicts the KV of
-    # the least recently served users until the tier holds kv_budget_headroom less; their
+    # KV budget of the durable tier, in bytes (None: none). The maintenance stage evicts the KV
+    # of the least recently served users until the tier holds kv_budget_headroom less; their
     # facts keep text and embeddings, are served as text, and are encoded again (before the
     # backlog) once a request wants them. Per user: each keeps their most recently encoded
     # facts within the budget.
@@ -223,7 +224,7 @@ class Settings(BaseSettings):
     # (inferscale_worker_model_calls_stuck) and dies, so /readyz and /healthz answer 503 and the
     # batch's leases run out for another worker. Keep it well above a batch's encode time.
     encode_stuck_s: float = Field(default=300.0, gt=0, le=86400, allow_inf_nan=False)
-    # Every encode stage removes orphan blobs (their fact is gone: a worker died between its
+    # Every maintenance stage removes orphan blobs (their fact is gone: a worker died between its
     # write and its check) at start and then this often; each sweep lists the whole tier.
     orphan_sweep_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     # Share of time the encode stage may be busy (1.0 = flat out). Below 1 it rests after each

@@ -39,6 +39,7 @@ from inferscale.pipeline.forget import forget_user
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from workers.encode import EncodeWorker
 from workers.ingest import IngestWorker
+from workers.maintenance import MaintenanceWorker
 
 
 @pytest.fixture(scope="module")
@@ -515,15 +516,16 @@ async def test_a_user_forgotten_while_encoding_leaves_no_kv(settings, engine, em
     assert {p.name for p in store.durable.root.rglob("*.safetensors")} == {"preamble.safetensors"}
 
 
-async def test_the_encode_stage_sweeps_orphan_blobs_when_it_starts(settings, engine, embedder,
-                                                                    tiny_encoder, tmp_path):
+async def test_the_maintenance_stage_sweeps_orphan_blobs_when_it_starts(
+        settings, engine, embedder, tiny_encoder, tmp_path):
     store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
     turns = sample_turns()[:2]
     await _ingest(settings, engine, embedder, turns)
     orphan = store.put(str(10**15), *_kv_like(tiny_encoder), [1], window=0)  # no such fact
     stats = await EncodeWorker(settings.model_copy(update={"window": 0}), engine, tiny_encoder,
                                store).run(drain=True)
-    assert stats.encoded >= len(turns)
+    assert stats.encoded >= len(turns) and store.durable.exists(orphan.location)
+    assert (await MaintenanceWorker(settings, engine, store).run(drain=True)).swept == 1
     assert not store.durable.exists(orphan.location)
     kept = {p.name for p in store.durable.root.rglob("*.safetensors")}
     assert "preamble.safetensors" in kept and len(kept) == stats.encoded + 1
@@ -679,7 +681,8 @@ async def test_one_memory_gets_kv_for_two_models_and_a_fleet_moving_drops_the_ol
     new_encoder = FactEncoder(tiny_models["qwen2"], device="cpu", dtype=torch.float32)
     new = KVStore(durable, model_fingerprint(tiny_models["qwen2"]), host_bytes=1 << 30)
     both = await EncodeWorker(settings, engine, new_encoder, new).run(drain=True)
-    assert both.encoded == len(before) and both.migrated == 0 and both.failed == 0
+    assert both.encoded == len(before) and both.failed == 0
+    assert (await MaintenanceWorker(settings, engine, new).run(drain=True)).migrated == 0
     ids = [r.id for r in before]
     async with engine.connect() as conn:
         served = {model: (await live_facts(conn, user, model, ids))[1]
@@ -695,8 +698,8 @@ async def test_one_memory_gets_kv_for_two_models_and_a_fleet_moving_drops_the_ol
             assert blob.token_ids == row["token_ids"] == encoder.layout.fact_segment(
                 row["text"])
     moving = settings.model_copy(update={"encode_migrate": True})
-    moved = await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)
-    assert (moved.encoded, moved.migrated, moved.failed) == (0, len(before), 0)
+    assert (await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)).encoded == 0
+    assert (await MaintenanceWorker(moving, engine, new).run(drain=True)).migrated == len(before)
     after = await _user_facts(engine, user)  # every model's rows
     assert [r.id for r in after] == ids and {r.model_fingerprint for r in after} == {
         new.fingerprint}
@@ -705,5 +708,5 @@ async def test_one_memory_gets_kv_for_two_models_and_a_fleet_moving_drops_the_ol
     assert not any(durable.exists(r.kv_location) for r in before)
     assert not [p for p in (tmp_path / "kv" / old.fingerprint[:16]).rglob("*.safetensors")
                 if p.name.split(".")[0] in {str(i) for i in ids}]
-    again = await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)
-    assert (again.encoded, again.migrated) == (0, 0)
+    assert (await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)).encoded == 0
+    assert (await MaintenanceWorker(moving, engine, new).run(drain=True)).migrated == 0

@@ -1,6 +1,6 @@
 """The house rules the layout promises: the product never imports the lab, nor the dev stack
-(the CLI's dev commands aside: they start it), the KV path never reaches up into serving, and
-no two modules share a name."""
+(the CLI's dev commands aside: they start it), the KV path never reaches up into serving, only
+the maintenance stage maintains the durable tier, and no two modules share a name."""
 
 import ast
 import re
@@ -98,3 +98,15 @@ def test_no_package_is_named_after_a_stdlib_module():
 
     folders = {p.parent.name for p in PRODUCT if p.name == "__init__.py"}
     assert sorted(folders & sys.stdlib_module_names) == []
+
+
+# The durable tier's upkeep: eviction under the KV budgets, model migration, the orphan sweep.
+MAINTENANCE = ("inferscale.db.kv_budget.evict_over_budget",
+               "inferscale.db.encode_queue.drop_other_models",
+               "inferscale.pipeline.forget.sweep_orphan_blobs")
+
+
+def test_only_the_maintenance_stage_maintains_the_durable_tier():
+    users = {str(p.relative_to(PACKAGE.parent)) for p in PRODUCT
+             if _imported(p) & set(MAINTENANCE)}
+    assert users == {"workers/maintenance.py"}
