@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inferscale.contracts.blob_name import fact_blob, holds_lead, lead_blob
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.contracts.plan import holds_lead, lead_name
 from inferscale.core import failpoints
 from inferscale.core.model_prep import resolve_model_path
 from inferscale.core.retry import retry_transient
@@ -264,11 +264,11 @@ class EncodeWorker(BatchStage):
                 if lead is None and fact.claim > 1 and not fact.reencode:
                     # a claimer that died after writing a lead blob this encoding does not
                     # want (the memory grew meanwhile) left one that no row names
-                    self.store.delete([self.store.location_for(lead_name(fact.id))])
+                    self.store.delete([self.store.location_for(lead_blob(fact.id))])
                 stored_lead = None if lead is None else self.store.put(
-                    lead_name(fact.id), lead.k, lead.v, lead.token_ids, window=0,
+                    lead_blob(fact.id), lead.k, lead.v, lead.token_ids, window=0,
                     kv_format=self.settings.lead_kv_format or self.settings.kv_format)
-                stored = self.store.put(str(fact.id), span.k, span.v, span.token_ids,
+                stored = self.store.put(fact_blob(fact.id), span.k, span.v, span.token_ids,
                                         window=self.settings.window,
                                         kv_format=self.settings.kv_format)
             except OSError as exc:

@@ -15,6 +15,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from inferscale.contracts.blob_name import FactId
 from inferscale.contracts.scope import ANY, Scope
 from inferscale.db.tables import fact_kv, facts, memory_versions
 
@@ -24,7 +25,7 @@ class RetrievedFact:
     """One retrieval hit, with its KV for the served model: ``kv_location`` is None while the
     fact is not encoded for it."""
 
-    id: int
+    id: FactId
     text: str
     distance: float
     token_ids: list[int] | None

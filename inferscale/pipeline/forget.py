@@ -8,6 +8,7 @@ from pathlib import PurePosixPath
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.db.deletion import blobs_owned, delete_user
 from inferscale.kv.store import KVStore
 
@@ -30,7 +31,7 @@ async def forget_user(engine: AsyncEngine, store: KVStore, user_id: str) -> Forg
     async with engine.begin() as conn:
         fact_ids, recorded = await delete_user(conn, user_id)
     def delete() -> tuple[list[str], int]:
-        named = set(store.locations_of(str(fact_id) for fact_id in fact_ids))
+        named = set(store.locations_of(fact_blob(fact_id) for fact_id in fact_ids))
         locations = sorted(named | set(recorded))
         return locations, store.delete(locations)
 

@@ -30,8 +30,8 @@ KV_TRANSFER_CONFIG = {
 
 def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
     """The preamble blob must exist before the first injected request; encode it if missing."""
+    from inferscale.contracts.blob_name import PREAMBLE
     from inferscale.contracts.fingerprint import model_fingerprint
-    from inferscale.contracts.plan import PREAMBLE
     from inferscale.kv.encoder import ensure_preamble, load_encoder
     from inferscale.kv.store import KVStore
 

@@ -14,8 +14,8 @@ from kvrows import KV_COLUMNS, with_kv
 from sqlalchemy import select, text
 
 from helpers import extract_all, sample_turns, turn
+from inferscale.contracts.blob_name import fact_blob, holds_lead, lead_blob
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.contracts.plan import holds_lead, lead_name
 from inferscale.core import failpoints
 from inferscale.core.settings import Settings
 from inferscale.db.encode_queue import (
@@ -148,7 +148,7 @@ async def test_lead_encodings_are_the_facts_after_the_preamble_alone(settings, e
     rows = await _user_facts(engine, user)
     assert rows[0].kv_lead_checksum is None  # no context: its one encoding is the lead one
     for row in rows[1:]:
-        lead = store.load(lead_name(row.id), row.kv_lead_checksum)
+        lead = store.load(lead_blob(row.id), row.kv_lead_checksum)
         alone = tiny_encoder.encode([tiny_encoder.fact_item(row.text, [])])[0]
         assert lead.token_ids == row.token_ids and lead.window == 0
         assert torch.allclose(lead.k.float(), alone.k.float(), atol=1e-5)
@@ -158,7 +158,7 @@ async def test_lead_encodings_are_the_facts_after_the_preamble_alone(settings, e
     forgotten = await forget_user(engine, store, user)
     assert (forgotten.facts, forgotten.blobs) == (4, 4 + 3)
     assert not list((tmp_path / "kv").rglob(f"{rows[1].id}*.safetensors"))
-    assert lead_name(rows[1].id) not in store.host
+    assert store.location_for(lead_blob(rows[1].id)) not in store.host
     # Switched off, the worker writes one blob per fact.
     off = settings.model_copy(update={"lead_encoding": False})
     await _ingest(off, engine, embedder, sample_turns(plain)[:3])
@@ -183,11 +183,11 @@ async def test_lead_blobs_go_to_small_memories_and_a_share_of_the_rest(settings,
     wanted = [False, True] + [holds_lead(r.id, 0.5) for r in rows[2:]]
     assert [r.kv_lead_checksum is not None for r in rows] == wanted
     on_disk = {p.name for p in (tmp_path / "kv").rglob("*.lead.safetensors")}
-    assert on_disk == {f"{lead_name(r.id)}.safetensors" for r, w in zip(rows, wanted,
+    assert on_disk == {f"{lead_blob(r.id)}.safetensors" for r, w in zip(rows, wanted,
                                                                          strict=True) if w}
     for row in rows:
         if row.kv_lead_checksum:
-            assert store.load(lead_name(row.id), row.kv_lead_checksum).window == 0
+            assert store.load(lead_blob(row.id), row.kv_lead_checksum).window == 0
         files = [p for p in (tmp_path / "kv").rglob("*.safetensors")
                  if p.name.split(".")[0] == str(row.id)]
         assert row.kv_bytes == sum(p.stat().st_size for p in files)  # what the budget counts
@@ -209,7 +209,7 @@ async def test_a_lead_blob_left_by_a_dead_claimer_goes_when_its_fact_needs_none(
                                             settings.encode_lease_s, 3)
     last = max(claimed, key=lambda fact: fact.id)
     stray = torch.zeros(2, 3, 1, 8, dtype=torch.bfloat16)  # ...writes a lead blob and dies
-    store.put(lead_name(last.id), stray, stray.clone(), [1, 2, 3], window=0)
+    store.put(lead_blob(last.id), stray, stray.clone(), [1, 2, 3], window=0)
     await asyncio.sleep(0.6)  # its lease runs out
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     rows = await _user_facts(engine, turns[0].user_id)
@@ -217,7 +217,7 @@ async def test_a_lead_blob_left_by_a_dead_claimer_goes_when_its_fact_needs_none(
     # the second fact had one other before it (a small memory); the last has its window
     assert [r.kv_lead_checksum is not None for r in rows] == [False, True, False, False]
     on_disk = {p.name for p in (tmp_path / "kv").rglob("*.lead.safetensors")}
-    assert on_disk == {f"{lead_name(rows[1].id)}.safetensors"}
+    assert on_disk == {f"{lead_blob(rows[1].id)}.safetensors"}
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])
@@ -366,10 +366,10 @@ async def test_early_facts_are_encoded_again_once_their_user_has_3w_facts(
     for row in rows[:2]:  # after its 2 nearest among the user's first 6 facts, nearest last
         expected = tiny_encoder.encode([tiny_encoder.fact_item(row.text,
                                                                _nearest_last(row, rows, 2))])[0]
-        served = store.load(str(row.id), row.kv_checksum)  # not the old copy held in memory
+        served = store.load(fact_blob(row.id), row.kv_checksum)  # not the old copy held in memory
         assert torch.allclose(served.k.float(), expected.k.float(), atol=1e-4)
         assert torch.allclose(served.v.float(), expected.v.float(), atol=1e-4)
-        assert store.load(lead_name(row.id), row.kv_lead_checksum).token_ids == row.token_ids
+        assert store.load(lead_blob(row.id), row.kv_lead_checksum).token_ids == row.token_ids
     assert (await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)).encoded == 0
     # Facts stored after 3w are encoded after full context at once; switched off, no backfill.
     off = settings.model_copy(update={"encode_backfill": False})
@@ -521,7 +521,7 @@ async def test_the_maintenance_stage_sweeps_orphan_blobs_when_it_starts(
     store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
     turns = sample_turns()[:2]
     await _ingest(settings, engine, embedder, turns)
-    orphan = store.put(str(10**15), *_kv_like(tiny_encoder), [1], window=0)  # no such fact
+    orphan = store.put(fact_blob(10**15), *_kv_like(tiny_encoder), [1], window=0)  # no such fact
     stats = await EncodeWorker(settings.model_copy(update={"window": 0}), engine, tiny_encoder,
                                store).run(drain=True)
     assert stats.encoded >= len(turns) and store.durable.exists(orphan.location)
@@ -638,7 +638,7 @@ async def test_a_fact_edited_while_encoding_leaves_no_old_kv_and_the_edit_stays(
         assert (await delete_fact(conn, user, second))[0]
     rows = {row.id: row for row in await _user_facts(engine, user)}
     assert rows[first].deleted_at is not None and rows[first].superseded_by == edited[0]
-    assert not (store.durable.root / store.location_for(str(first))).exists()  # removed
+    assert not (store.durable.root / store.location_for(fact_blob(first))).exists()  # removed
     assert rows[edited[0]].kv_location
     assert (store.durable.root / rows[edited[0]].kv_location).exists()
     live_before = [(r.id, r.text) for r in (await _live_records(engine, user, store))]

@@ -13,6 +13,7 @@ from kvrows import set_kv
 from sqlalchemy import select
 
 from helpers import extract_all, turn
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.contracts.scope import Scope
 from inferscale.db.extract_queue import StoredFact
 from inferscale.db.tables import facts, turns
@@ -282,7 +283,7 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
     await say("t2", "My dog Rex loves the beach.", 2)
     live = await _live(engine, user)
     paris = live[0][0]
-    location = store.put(str(paris), *_kv(), window=0).location  # as if encoded
+    location = store.put(fact_blob(paris), *_kv(), window=0).location  # as if encoded
     async with engine.begin() as conn:
         await set_kv(conn, store.fingerprint, [paris], kv_location=location)
     await say("t3", "I moved to Lisbon last week.", 3)

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.host_arena import CHUNK, GRANULE, HostArena
 from inferscale.kv.store import KVStore
@@ -93,7 +94,7 @@ def test_page_ins_decode_the_same_from_the_arena(tmp_path, host_bytes):
     writer = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn((3, 5, 2, 16), generator=g).to(torch.bfloat16) for _ in range(2))
-    stored = writer.put("3", k, v, [1] * 5, window=0)
+    stored = writer.put(fact_blob(3), k, v, [1] * 5, window=0)
     reader = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=host_bytes)
     blob = reader.get(stored.location, stored.checksum)
     assert torch.equal(blob.k, k) and torch.equal(blob.v, v)

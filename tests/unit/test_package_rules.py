@@ -1,6 +1,7 @@
 """The house rules the layout promises: the product never imports the lab, nor the dev stack
 (the CLI's dev commands aside: they start it), the KV path never reaches up into serving, only
-the maintenance stage maintains the durable tier, and no two modules share a name."""
+the maintenance stage maintains the durable tier, blobs are named in one module, and no two
+modules share a name."""
 
 import ast
 import re
@@ -110,3 +111,14 @@ def test_only_the_maintenance_stage_maintains_the_durable_tier():
     users = {str(p.relative_to(PACKAGE.parent)) for p in PRODUCT
              if _imported(p) & set(MAINTENANCE)}
     assert users == {"workers/maintenance.py"}
+
+
+def test_blobs_are_named_in_one_module():
+    """``contracts/blob_name.py`` spells blob names (``preamble``, ``<id>.lead``); everything
+    else, the lab included, names blobs through it."""
+    files = [p for root in (PACKAGE, Path(workers.__file__).parent) for p in root.rglob("*.py")]
+    spelled = {str(p.relative_to(PACKAGE.parent)) for p in files
+               for node in ast.walk(ast.parse(p.read_text(), str(p)))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)
+               and (node.value == "preamble" or ".lead" in node.value)}
+    assert spelled == {"inferscale/contracts/blob_name.py"}
