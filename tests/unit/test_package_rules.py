@@ -1,7 +1,7 @@
 """The house rules the layout promises: the product never imports the lab, nor the dev stack
 (the CLI's dev commands aside: they start it), the KV path never reaches up into serving, only
-the maintenance stage maintains the durable tier, blobs are named in one module, and no two
-modules share a name."""
+the maintenance stage maintains the durable tier, blobs are named in one module, the lab's tests
+live in tests/lab, and no two modules share a name."""
 
 import ast
 import re
@@ -122,3 +122,17 @@ def test_blobs_are_named_in_one_module():
                if isinstance(node, ast.Constant) and isinstance(node.value, str)
                and (node.value == "preamble" or ".lead" in node.value)}
     assert spelled == {"inferscale/contracts/blob_name.py"}
+
+
+# What the product's tests may borrow from the lab: the stand-in for vLLM's cache update that
+# the portable chain and the fused writers are checked against.
+LAB_HELPERS = {"inferscale.lab.bench.inject", "inferscale.lab.bench.inject.flash_update"}
+
+
+def test_the_labs_tests_live_in_tests_lab():
+    tests = Path(__file__).parents[1]
+    product_tests = [p for p in tests.rglob("*.py") if tests / "lab" not in p.parents]
+    borrowed = {str(p.relative_to(tests)): sorted(
+        n for n in _imported(p) if n.startswith("inferscale.lab") and n not in LAB_HELPERS)
+        for p in product_tests}
+    assert {path: names for path, names in borrowed.items() if names} == {}
