@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inferscale.contracts.blob_name import location_model
 from inferscale.core import failpoints
 from inferscale.core.settings import Settings
+from inferscale.db.deletion import blobs_owned
 from inferscale.db.encode_queue import count_pending_facts, drop_other_models
 from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes
 from inferscale.kv.store import KVStore
-from inferscale.pipeline.forget import sweep_orphan_blobs
 from workers import observe
 from workers.stage import BatchStage
 
@@ -43,6 +44,19 @@ class MaintenanceStats:
     swept: int = 0  # orphan blobs removed
     evicted: int = 0  # facts whose KV went to keep under the budgets
     migrated: int = 0  # other models' rows of facts that have this model's KV, dropped
+
+
+async def sweep_orphan_blobs(engine: AsyncEngine, store: KVStore) -> int:
+    """Remove durable blobs, of any model, whose fact or whose fact's row for that model no
+    longer exists (an encode that finished after its user was forgotten, or whose rows were
+    rolled back and deleted; KV of a model migrated away from) or whose KV was evicted (an
+    eviction that died before deleting them); returns how many."""
+    blobs = await asyncio.to_thread(lambda: list(store.fact_blobs()))
+    async with engine.connect() as conn:
+        owned = await blobs_owned(conn, sorted({fact_id for fact_id, _ in blobs}))
+    orphans = [location for fact_id, location in blobs
+               if (fact_id, location_model(location)) not in owned]
+    return await asyncio.to_thread(store.delete, orphans)
 
 
 class MaintenanceWorker(BatchStage):

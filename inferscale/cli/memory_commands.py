@@ -48,9 +48,9 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale.core.endpoints import resolve_kafka_bootstrap
     from inferscale.db.engine import create_engine
     from inferscale.kv.store import KVStore
-    from inferscale.pipeline.forget import forget_user
     from inferscale.pipeline.invalidation import publish_invalidation
     from inferscale.pipeline.kafka import kafka_security
+    from inferscale.serving.forget import forget_user
 
     async def go():
         engine = create_engine(settings=settings)

@@ -86,6 +86,11 @@ def parse_location(location: str) -> BlobName | None:
     return BlobName.parse(path.name.removesuffix(SUFFIX))
 
 
+def location_model(location: str) -> str:
+    """The model folder (a fingerprint's 16-character prefix) a durable-tier location lies in."""
+    return PurePosixPath(location).parts[0]
+
+
 def with_leads(locations: Iterable[str]) -> list[str]:
     """The locations and, after each fact blob's, where its lead blob would be (once each)."""
     out: dict[str, None] = {}
@@ -93,7 +98,7 @@ def with_leads(locations: Iterable[str]) -> list[str]:
         out[location] = None
         name = parse_location(location)
         if name is not None and name.fact_id is not None and not name.lead:
-            out[lead_blob(name.fact_id).location(PurePosixPath(location).parts[0])] = None
+            out[lead_blob(name.fact_id).location(location_model(location))] = None
     return list(out)
 
 

@@ -35,7 +35,8 @@ from inferscale.kv.store import (
     FingerprintMismatch,
     KVStore,
 )
-from inferscale.pipeline.forget import forget_user, sweep_orphan_blobs
+from inferscale.serving.forget import forget_user
+from workers.maintenance import sweep_orphan_blobs
 
 FP_A, FP_B = "a" * 64, "b" * 64
 HOSTILE_LOCATIONS = ["../x", "../../etc/passwd", "/etc/passwd", "a/../../x", "a//b", "a/./b",

@@ -35,8 +35,8 @@ from inferscale.devstack.stack import worker_process
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
-from inferscale.pipeline.forget import forget_user
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
+from inferscale.serving.forget import forget_user
 from workers.encode import EncodeWorker
 from workers.ingest import IngestWorker
 from workers.maintenance import MaintenanceWorker

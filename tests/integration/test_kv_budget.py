@@ -20,7 +20,7 @@ from inferscale.db.tables import fact_kv, facts, memory_activity
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
-from inferscale.pipeline.forget import forget_user
+from inferscale.serving.forget import forget_user
 from workers.encode import EncodeWorker
 from workers.maintenance import MaintenanceWorker
 

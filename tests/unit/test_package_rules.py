@@ -101,10 +101,10 @@ def test_no_package_is_named_after_a_stdlib_module():
     assert sorted(folders & sys.stdlib_module_names) == []
 
 
-# The durable tier's upkeep: eviction under the KV budgets, model migration, the orphan sweep.
+# The durable tier's upkeep: eviction under the KV budgets, model migration, the orphan sweep
+# (``workers/maintenance.py`` holds the sweep itself).
 MAINTENANCE = ("inferscale.db.kv_budget.evict_over_budget",
-               "inferscale.db.encode_queue.drop_other_models",
-               "inferscale.pipeline.forget.sweep_orphan_blobs")
+               "inferscale.db.encode_queue.drop_other_models", "inferscale.db.deletion.blobs_owned")
 
 
 def test_only_the_maintenance_stage_maintains_the_durable_tier():

@@ -1,15 +1,15 @@
-"""Forget a user: turns, facts, vectors and KV blobs, from every tier, with a tombstone."""
+"""Forget a user: turns, facts, vectors and KV blobs, from every tier, with a tombstone (the
+memory service's forget, and ``inferscale forget`` without a server)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inferscale.contracts.blob_name import fact_blob
-from inferscale.db.deletion import blobs_owned, delete_user
+from inferscale.db.deletion import delete_user
 from inferscale.kv.store import KVStore
 
 
@@ -37,16 +37,3 @@ async def forget_user(engine: AsyncEngine, store: KVStore, user_id: str) -> Forg
 
     locations, removed = await asyncio.to_thread(delete)
     return Forgotten(len(fact_ids), removed, locations)
-
-
-async def sweep_orphan_blobs(engine: AsyncEngine, store: KVStore) -> int:
-    """Remove durable blobs, of any model, whose fact or whose fact's row for that model no
-    longer exists (an encode that finished after its user was forgotten, or whose rows were
-    rolled back and deleted; KV of a model migrated away from) or whose KV was evicted (an
-    eviction that died before deleting them); returns how many."""
-    blobs = await asyncio.to_thread(lambda: list(store.fact_blobs()))
-    async with engine.connect() as conn:
-        owned = await blobs_owned(conn, sorted({fact_id for fact_id, _ in blobs}))
-    orphans = [location for fact_id, location in blobs
-               if (fact_id, PurePosixPath(location).parts[0]) not in owned]
-    return await asyncio.to_thread(store.delete, orphans)
