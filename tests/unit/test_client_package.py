@@ -91,7 +91,7 @@ def test_results_are_typed_keep_new_fields_and_read_as_dicts_did():
     with _client(handler) as memory:
         fact = memory.get_fact("a/b", 7)
         hits = memory.search("a/b", "horse", k=1)
-    assert isinstance(fact, Fact) and fact.kv is not None and fact.kv.encoded
+    assert isinstance(fact, Fact) and fact.kv.encoded
     assert fact.ts.year == 2025 and fact.model_extra == {"metadata": {"topic": "pets"}}
     assert fact["kv"]["tokens"] == 9 and fact["metadata"] == {"topic": "pets"}
     with pytest.raises(KeyError):

@@ -51,7 +51,7 @@ class Fact(Result):
     created_at: datetime
     deleted_at: datetime | None = None  # set on a retired version
     superseded_by: int | None = None  # the version that replaced it
-    kv: FactKV | None = None
+    kv: FactKV
     replaces: int | None = None  # an edit's result: the version it retired
 
 
