@@ -127,3 +127,12 @@ def test_refusals_raise_with_the_servers_status_and_message(response, status, me
     with _client(lambda _: response) as memory, pytest.raises(MemoryAPIError) as refused:
         memory.get_fact("a", 7)
     assert (refused.value.status, refused.value.message) == (status, message)
+
+
+def test_the_mcp_server_will_not_serve_http_without_a_key(monkeypatch, capsys):
+    """Over HTTP, MCP clients must present the server's key: with none to check, no server."""
+    from inferscale_client.mcp_main import main
+
+    monkeypatch.delenv("INFERSCALE_API_KEY", raising=False)
+    assert main(["--http", "--server", "https://memory.example"]) == 2  # no local key sent there
+    assert "--http needs a key" in capsys.readouterr().err
