@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from inferscale.core.settings import Settings
 from inferscale.serving.access import Access
-from inferscale.serving.memory_api import _after, _cursor, build_router
+from inferscale.serving.memory_api import _after, _cursor, serve_memory
 
 
 class _NoDatabase:
@@ -39,7 +39,7 @@ def client_and_service():
         "reader": {"owners": ["alice"], "read_only": True},
         "planner": {"owners": ["alice"], "agents": ["planner"]}}))
     app = FastAPI()
-    app.include_router(build_router(service))
+    serve_memory(app, service)
     return TestClient(app, raise_server_exceptions=False), service
 
 
