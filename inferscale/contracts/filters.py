@@ -31,6 +31,8 @@ from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any, Final, NamedTuple
 
+from inferscale.contracts.metadata import is_text
+
 ID_FIELDS: Final = ("user_id", "agent_id", "run_id")
 TIME_FIELDS: Final = ("created_at", "updated_at")
 LOGICAL: Final = ("AND", "OR", "NOT")
@@ -178,7 +180,7 @@ def _condition(kind: str, name: str, op: object, raw: object, counter: list[int]
 def _value(kind: str, name: str, op: str, raw: object) -> Any:
     """A condition's operand, checked for its field and operator."""
     if isinstance(raw, str):
-        if len(raw) > MAX_STRING or "\x00" in raw or not _encodable(raw):
+        if len(raw) > MAX_STRING or "\x00" in raw or not is_text(raw):
             raise FilterError(f"{name!r}: strings are at most {MAX_STRING} characters of "
                               "valid text without NUL")
     if kind == "time":
@@ -203,14 +205,6 @@ def _value(kind: str, name: str, op: str, raw: object) -> Any:
     if isinstance(raw, str):
         return raw
     raise FilterError(f"{name!r}: conditions take strings, numbers, booleans or null")
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:  # a lone surrogate
-        return False
-    return True
 
 
 def _number(value: int | float) -> Decimal:

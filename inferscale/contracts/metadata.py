@@ -3,7 +3,8 @@ a response or the server's in-process index large or slow (migration 0014).
 
 A metadata object is at most ``MAX_METADATA_BYTES`` as compact JSON, nested at most
 ``MAX_DEPTH`` deep, with at most ``MAX_KEYS`` keys in all; keys are 1-``MAX_KEY_CHARS``
-characters without control characters; strings hold no NUL (Postgres's ``jsonb`` cannot);
+characters without control characters; strings are valid text without NUL (Postgres's
+``jsonb`` holds neither a NUL nor a lone surrogate);
 numbers are finite, integers within 64 bits (``jsonb`` and the filters compare them as doubles).
 """
 
@@ -39,15 +40,15 @@ def check_metadata(value: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"metadata has at most {MAX_KEYS} keys in all")
             for key, child in item.items():
                 if (not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_CHARS
-                        or _CONTROL.search(key)):
+                        or _CONTROL.search(key) or not is_text(key)):
                     raise ValueError(f"metadata keys are 1-{MAX_KEY_CHARS} characters without "
                                      "control characters")
                 stack.append((child, depth + 1))
         elif isinstance(item, list):
             stack.extend((child, depth + 1) for child in item)
         elif isinstance(item, str):
-            if "\x00" in item:
-                raise ValueError("metadata strings may not hold NUL")
+            if "\x00" in item or not is_text(item):
+                raise ValueError("metadata strings are valid text without NUL")
         elif isinstance(item, bool) or item is None:
             pass
         elif isinstance(item, int):
@@ -62,6 +63,15 @@ def check_metadata(value: dict[str, Any]) -> dict[str, Any]:
             MAX_METADATA_BYTES):
         raise ValueError(f"metadata is at most {MAX_METADATA_BYTES} bytes as JSON")
     return value
+
+
+def is_text(text: str) -> bool:
+    """Whether a string is valid text (no lone surrogate, as JSON's "\\ud800" gives)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
