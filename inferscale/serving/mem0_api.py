@@ -144,9 +144,12 @@ class Entities(BaseModel):
 
 
 class Ping(BaseModel):
+    """The client requires an organisation and project; there is one of each here (its
+    project routes are not offered)."""
+
     status: Literal["ok"]
-    org_id: None = None
-    project_id: None = None
+    org_id: Literal["inferscale"] = "inferscale"
+    project_id: Literal["inferscale"] = "inferscale"
     user_email: None = None
 
 
