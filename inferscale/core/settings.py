@@ -307,9 +307,15 @@ class Settings(BaseSettings):
         'facts. None: auto where the server has no GPU (prefilling the tail costs more there '
         'than everything else), recompute_auto_tail facts on every request on a GPU '
         '(docs/results/fidelity.md).'))
+    calibration: str = Field(default="auto", min_length=1, description=(
+        "Recompute auto's thresholds and tail fitted for the served model (calibration.py): "
+        "\"auto\" (the profile made for its fingerprint in data_dir/calibration, else a shipped "
+        "one), \"off\" (none) or a profile's path. Without a profile a server runs a "
+        "conservative policy and says so at start. The three recompute_auto_* settings, where "
+        "set, win over either."))
     recompute_auto_margin: float = Field(default=0.5, ge=0, allow_inf_nan=False, description=(
         "Recompute auto: the first-token top-2 logprob margin (nats) under which the tail is "
-        "recomputed."))
+        "recomputed (default: the served model's calibration; this value where set)."))
     recompute_auto_tail: int = Field(default=2, ge=0, description=(
         "How many facts recompute auto recomputes then (the best ones, last in the prompt)."))
     recompute_auto_text_margin: float = Field(
@@ -439,9 +445,10 @@ def get_settings() -> Settings:
 
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment (this one plus every set field) that makes a child process read these
-    same settings: the one way settings reach child processes."""
+    same settings: the one way settings reach child processes. Fields left at their defaults
+    stay unset, so a child can tell what was chosen (``calibration.py``)."""
     env = dict(os.environ)
-    for name, value in settings.model_dump(mode="json").items():
+    for name, value in settings.model_dump(mode="json", exclude_unset=True).items():
         secret = getattr(settings, name)
         if isinstance(secret, SecretStr):  # dumped as "**********": the child needs the value
             value = secret.get_secret_value()
