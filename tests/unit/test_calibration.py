@@ -5,7 +5,6 @@ import json
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from hostile import json_values
 from inferscale.contracts.fingerprint import model_fingerprint
