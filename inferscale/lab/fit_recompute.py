@@ -232,7 +232,8 @@ def run(settings: Settings, data: Path | None, out_dir: Path, *, records: Path |
                       fit=Fit.model_validate({
                           **{key: result[key] for key in ("target", "reached", "per_k",
                                                           "frontier")},
-                          "made_from": {**source(), "data": report.get("data"),
+                          "made_from": {"answered_at": report.get("source"),
+                                        "fitted_at": source(), "data": report.get("data"),
                                         "conversations": report.get("conversations"),
                                         "questions": report.get("questions"),
                                         "ks": report.get("ks"),
