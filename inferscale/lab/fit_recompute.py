@@ -10,7 +10,7 @@ modelled as the measured TTFTs of the attempts it makes (kept: m = 0's; recomput
 the tail's; text: all three), as a streamed request pays them.
 
 The fit keeps the cheapest policy (mean modelled TTFT) whose first-token agreement with text
-prefill reaches the target and whose share of requests answered again stays under the bound;
+prefill reaches the target with 95% confidence (Wilson) and whose share of requests answered again stays under the bound;
 where none does, the most faithful one within the bound, marked as short of the target. It also
 returns the Pareto frontier (agreement against mean TTFT), which is what a model that cannot
 reach the target should be judged by.
@@ -69,6 +69,11 @@ class Replay:
     text_share: float
     ttft_mean_s: float
     text_ttft_mean_s: float
+
+    @property
+    def lower_bound(self) -> float:
+        """The lower end of the agreement's 95% Wilson interval."""
+        return wilson_interval(round(self.first_token * self.n), self.n)[0]
 
     @property
     def speedup(self) -> float:
@@ -163,13 +168,15 @@ def frontier(replays: Iterable[Replay]) -> list[Replay]:
 
 def choose(replays: Sequence[Replay], target: float, max_answered_again: float
            ) -> tuple[Replay, bool]:
-    """The cheapest replay reaching ``target`` with at most ``max_answered_again`` of requests
-    recomputed or sent to text, and whether it reached the target (if none does: the most
-    faithful within the bound, then the cheapest of those)."""
+    """The cheapest replay whose agreement reaches ``target`` with 95% confidence (the Wilson
+    interval's lower end: a few hundred calibration answers must not pick a policy that only
+    this sample favours) with at most ``max_answered_again`` of requests recomputed or sent to
+    text, and whether it reached the target (if none does: the most faithful within the bound,
+    then the cheapest of those)."""
     within = [r for r in replays if r.recomputed_share + r.text_share <= max_answered_again]
     if not within:
         raise ValueError(f"no policy answers again at most {max_answered_again:.0%} of requests")
-    reaching = [r for r in within if r.first_token >= target]
+    reaching = [r for r in within if r.lower_bound >= target]
     if reaching:
         return min(reaching, key=lambda r: (r.ttft_mean_s, -r.first_token)), True
     return min(within, key=lambda r: (-r.first_token, r.ttft_mean_s)), False
