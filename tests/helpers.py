@@ -50,11 +50,9 @@ async def extract_all(settings, engine, embedder, extractor=None, decide=None, *
                                **kwargs).run(drain=True)
 
 
-async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, store=None) -> None:
-    """Publish turns, drain the ingest and extract stages, then (optionally) encode every
-    pending fact."""
+async def ingest(settings, engine, turns) -> None:
+    """Publish turns and drain the ingest stage."""
     from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
-    from workers.encode import EncodeWorker
     from workers.ingest import IngestWorker
 
     security = kafka_security(settings)
@@ -62,6 +60,14 @@ async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, sto
     await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False,
                         security=security)
     await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
+
+
+async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, store=None) -> None:
+    """Publish turns, drain the ingest and extract stages, then (optionally) encode every
+    pending fact."""
+    from workers.encode import EncodeWorker
+
+    await ingest(settings, engine, turns)
     await extract_all(settings, engine, embedder)
     if encoder is not None:
         await EncodeWorker(settings, engine, encoder, store).run(drain=True)

@@ -17,14 +17,8 @@ its owner's memory is small or its id hashes into the share; servers put one suc
 
 Several models (``fact_kv``): the stage registers its model in its first batch, so every live
 fact (and every fact inserted later) waits for this model's KV too, the facts of before after
-the fresh ones; other models' KV stays for their servers. Model migration (``encode_migrate``): when
-nothing else waits, the KV of every other model of facts that have this model's goes (rows, then
-blobs).
-
-KV budget (``kv_budget_bytes``, ``kv_user_budget_bytes``): every ``kv_evict_interval_s`` the
-stage evicts the KV of the least recently served users (and each user's oldest encodings beyond
-their budget), rows first, then blobs (``db/kv_budget.py``); evicted facts are served as text
-and encoded again, before the backlog, once a request wants them.
+the fresh ones; other models' KV stays for their servers. The durable tier's upkeep (orphan
+sweep, KV budget, model migration) is the maintenance stage's (``workers/maintenance.py``).
 """
 
 from __future__ import annotations
@@ -32,13 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inferscale.contracts.blob_name import fact_blob, holds_lead, lead_blob
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.contracts.plan import holds_lead, lead_name
 from inferscale.core import failpoints
 from inferscale.core.model_prep import resolve_model_path
 from inferscale.core.retry import retry_transient
@@ -50,23 +43,19 @@ from inferscale.db.encode_queue import (
     Recorded,
     claim_backfill_facts,
     claim_pending_facts,
-    drop_other_models,
     mark_backfill_due,
     quarantine_crashed_facts,
     record_encode_failure,
     record_encoded,
     register_model,
 )
-from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes
 from inferscale.kv.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.kv.store import KVStore
-from inferscale.pipeline.forget import sweep_orphan_blobs
 from workers import observe
 from workers.model_thread import ModelCallStuck, ModelThread
 from workers.stage import BatchStage
 
 log = logging.getLogger("inferscale.encode")
-_EVICT_BATCH = 1000  # facts evicted per transaction
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -91,7 +80,6 @@ class EncodeStats:
     encoded: int = 0
     reencoded: int = 0  # of those, facts encoded again after a wider context (backfill)
     restored: int = 0  # of those, facts whose KV had been evicted, wanted back by a request
-    migrated: int = 0  # other models' rows of facts that have this model's KV, dropped
     failed: int = 0
     batches: int = 0
 
@@ -112,8 +100,6 @@ class EncodeWorker(BatchStage):
         self.stats = EncodeStats()
         self._preamble_ready = False
         self._registered = False
-        self._next_sweep = 0.0
-        self._next_eviction = 0.0
 
     async def run(self, drain: bool = False) -> EncodeStats:
         """Encode until stopped (or, with ``drain``, until nothing is pending)."""
@@ -130,16 +116,7 @@ class EncodeWorker(BatchStage):
         return await self.encode_pending()
 
     async def before_batch(self) -> None:
-        """Sweep orphan blobs and evict KV over the budgets when due; store the preamble's KV
-        once (retried each round while the durable tier fails)."""
-        if time.monotonic() >= self._next_sweep:
-            self._next_sweep = time.monotonic() + self.settings.orphan_sweep_s
-            try:
-                if swept := await sweep_orphan_blobs(self.engine, self.store):
-                    log.warning("removed %d orphan KV blobs (their facts are gone)", swept)
-            except Exception as exc:  # noqa: BLE001 - maintenance: tried again at the next sweep
-                log.warning("orphan sweep failed: %s", exc)
-        await self._evict_when_due()
+        """Store the preamble's KV once (retried each round while the durable tier fails)."""
         if self._preamble_ready:
             return
         try:
@@ -148,35 +125,6 @@ class EncodeWorker(BatchStage):
             self._preamble_ready = True
         except OSError as exc:
             log.warning("cannot store the preamble KV: %s", exc)
-
-    async def _evict_when_due(self) -> None:
-        """Bring the durable tier under the KV budgets (when one is set and a round is due):
-        rows first, in batches, then each batch's blobs (a failure is retried next round)."""
-        s = self.settings
-        if (s.kv_budget_bytes is None and s.kv_user_budget_bytes is None) or (
-                time.monotonic() < self._next_eviction):
-            return
-        self._next_eviction = time.monotonic() + s.kv_evict_interval_s
-        try:
-            while True:
-                async with self.engine.begin() as conn:
-                    evicted = await evict_over_budget(
-                        conn, s.kv_budget_bytes, s.kv_user_budget_bytes, s.kv_evict_grace_s,
-                        s.kv_budget_headroom, _EVICT_BATCH)
-                if not evicted:
-                    break
-                failpoints.hit("kv.evict.before_delete")
-                await asyncio.to_thread(self.store.delete, [e.location for e in evicted])
-                observe.KV_EVICTED_FACTS.inc(len(evicted))
-                observe.KV_EVICTED_BYTES.inc(sum(e.nbytes for e in evicted))
-                log.info("evicted the KV of %d facts (%.1f MB) to keep under the KV budget",
-                         len(evicted), sum(e.nbytes for e in evicted) / 1e6)
-                if len(evicted) < _EVICT_BATCH:
-                    break
-            async with self.engine.connect() as conn:
-                observe.KV_HELD_BYTES.set(await held_kv_bytes(conn))
-        except Exception as exc:  # noqa: BLE001 - maintenance: tried again at the next round
-            log.warning("KV eviction failed: %s", exc)
 
     async def after_batch(self, busy_s: float) -> None:
         """Idle long enough after a batch that the busy share stays at the duty cycle."""
@@ -192,8 +140,7 @@ class EncodeWorker(BatchStage):
 
     async def encode_pending(self) -> int:
         """Register the model (the first time), then encode one batch of facts waiting for its
-        KV (when none are, of facts due for backfill; then drop a batch of other models' KV when
-        migrating); returns how many facts it handled."""
+        KV (when none are, of facts due for backfill); returns how many facts it handled."""
         s = self.settings
         model = self.store.fingerprint
         if not self._registered:  # once (in the batch: retried while the database restarts)
@@ -216,7 +163,7 @@ class EncodeWorker(BatchStage):
                       "are served as text)", quarantined, s.encode_max_crashes)
         loop = asyncio.get_running_loop()
         if not pending:
-            return await self._migrate() if s.encode_migrate else 0
+            return 0
         with observe.BATCH_SECONDS.labels("encode").time():
             done, failures = await self._model_call(
                 f"encode of facts {[fact.id for fact in pending]}",
@@ -272,18 +219,6 @@ class EncodeWorker(BatchStage):
             failpoints.hit("encode.before_db_commit")
         return recorded
 
-    async def _migrate(self) -> int:
-        """Drop a batch of other models' KV of facts that have this model's: rows, then blobs
-        (a kill in between leaves blobs no row names, which the orphan sweep removes)."""
-        async with self.engine.begin() as conn:
-            dropped = await drop_other_models(conn, self.store.fingerprint,
-                                              self.settings.encode_batch_size)
-        if held := [location for location in dropped if location]:
-            await asyncio.to_thread(self.store.delete, held)
-        self.stats.migrated += len(dropped)
-        observe.KV_MIGRATED_FACTS.inc(len(dropped))
-        return len(dropped)
-
     def _encode_and_store(self, pending: list[PendingFact]
                           ) -> tuple[list[EncodedFact], list[tuple[PendingFact, str]]]:
         """Blocking: one batched forward pass, durable writes; isolates failures per fact."""
@@ -329,11 +264,11 @@ class EncodeWorker(BatchStage):
                 if lead is None and fact.claim > 1 and not fact.reencode:
                     # a claimer that died after writing a lead blob this encoding does not
                     # want (the memory grew meanwhile) left one that no row names
-                    self.store.delete([self.store.location_for(lead_name(fact.id))])
+                    self.store.delete([self.store.location_for(lead_blob(fact.id))])
                 stored_lead = None if lead is None else self.store.put(
-                    lead_name(fact.id), lead.k, lead.v, lead.token_ids, window=0,
+                    lead_blob(fact.id), lead.k, lead.v, lead.token_ids, window=0,
                     kv_format=self.settings.lead_kv_format or self.settings.kv_format)
-                stored = self.store.put(str(fact.id), span.k, span.v, span.token_ids,
+                stored = self.store.put(fact_blob(fact.id), span.k, span.v, span.token_ids,
                                         window=self.settings.window,
                                         kv_format=self.settings.kv_format)
             except OSError as exc:

@@ -1,4 +1,4 @@
-"""One worker process: the ingest, extract and encode stages side by side."""
+"""One worker process: the ingest, extract, encode and maintenance stages side by side."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from inferscale.pipeline.updates import Decide, LLMDecider
 from workers.encode import EncodeWorker, open_encoder_and_store
 from workers.extract import ExtractWorker
 from workers.ingest import IngestWorker
+from workers.maintenance import MaintenanceWorker
 from workers.observe import HealthServer
 
 log = logging.getLogger("inferscale.worker")
@@ -46,7 +47,8 @@ def extraction(settings: Settings, encoder: FactEncoder) -> tuple[Extractor, Dec
 
 async def _track_ready(health: HealthServer, ingest: IngestWorker,
                        stages: list[asyncio.Task]) -> None:
-    """Alive while the extract and encode stages run; ready while the consumer runs too."""
+    """Alive while the extract, encode and maintenance stages run; ready while the consumer
+    runs too."""
     while True:
         dead = [stage for stage in stages if stage.done()]
         health.alive = not dead
@@ -121,7 +123,8 @@ class _Shutdown:
 
 
 async def run_worker(settings: Settings, drain: bool = False) -> dict:
-    """Consume, extract and encode until SIGTERM/SIGINT (or drained with ``drain``)."""
+    """Consume, extract, encode and maintain until SIGTERM/SIGINT (or drained with ``drain``:
+    maintenance drains last, once nothing waits for encoding)."""
     if settings.worker_threads is not None:
         import torch
 
@@ -152,19 +155,21 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
     extract = ExtractWorker(settings, engine, embedder, extractor, decide, store=store,
                             invalidate=invalidate, wake=to_extract, extracted=to_encode)
     encode = EncodeWorker(settings, engine, encoder, store, wake=to_encode)
+    maintain = MaintenanceWorker(settings, engine, store)
     health = HealthServer()
     if settings.worker_http_port is not None:
         await health.start("0.0.0.0", settings.worker_http_port)
     extracting = asyncio.create_task(extract.run(), name="extract")
     encoding = asyncio.create_task(encode.run(), name="encode")
-    for stage in (extracting, encoding):
+    maintaining = asyncio.create_task(maintain.run(), name="maintenance")
+    stages = [extracting, encoding, maintaining]
+    for stage in stages:
         stage.add_done_callback(_log_death)
-    ready = asyncio.create_task(_track_ready(health, ingest, [extracting, encoding]))
+    ready = asyncio.create_task(_track_ready(health, ingest, stages))
 
     def stop() -> None:
-        ingest.request_stop()
-        extract.request_stop()
-        encode.request_stop()
+        for worker in (ingest, extract, encode, maintain):
+            worker.request_stop()
 
     shutdown = _Shutdown(loop, settings.worker_shutdown_s, stop)
     try:
@@ -173,17 +178,18 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
             extract.request_drain()
             await extracting
             encode.request_drain()
+            await encoding
+            maintain.request_drain()
         else:
-            extract.request_stop()
-            encode.request_stop()
-            await extracting
-        await encoding
+            for worker in (extract, encode, maintain):
+                worker.request_stop()
+        await asyncio.gather(*stages)
     finally:
         shutdown.restore()
-        for task in (extracting, encoding, ready):  # none outlives the worker (cancelled too)
+        for task in (*stages, ready):  # none outlives the worker (cancelled too)
             task.cancel()
-        await asyncio.gather(extracting, encoding, ready, return_exceptions=True)
+        await asyncio.gather(*stages, ready, return_exceptions=True)
         await health.stop()
         await engine.dispose()
     return {"ingest": ingest.stats.__dict__, "extract": extract.stats.__dict__,
-            "encode": encode.stats.__dict__}
+            "encode": encode.stats.__dict__, "maintenance": maintain.stats.__dict__}

@@ -11,12 +11,13 @@ import logging
 import sys
 from importlib.metadata import entry_points
 
-from inferscale.cli import memory_commands, ops_commands, run_commands
+from inferscale.cli import mcp_commands, memory_commands, ops_commands, run_commands
 from inferscale.core.logs import configure
 from inferscale.core.procs import sigterm_as_interrupt
 from inferscale.core.settings import get_settings
 
-COMMAND_GROUPS = (ops_commands.register, memory_commands.register, run_commands.register)
+COMMAND_GROUPS = (ops_commands.register, memory_commands.register, mcp_commands.register,
+                  run_commands.register)
 DESCRIPTION = ("InferScale: a memory layer for LLM serving. Users' facts are kept as KV and "
                "injected into vLLM, so only the question is prefilled.")
 PLUGIN_GROUP = "inferscale.commands"

@@ -29,17 +29,24 @@ def _publish(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _json(result: object) -> str:
+    """A client result (a model, or a list of them) as JSON."""
+    import json
+
+    from pydantic_core import to_jsonable_python
+
+    return json.dumps(to_jsonable_python(result), indent=2)
+
+
 def _forget(args: argparse.Namespace, settings: Settings) -> int:
     server = args.server or settings.server_url
     if server:  # the server forgets and purges its own memory tiers
-        import json
-
         from inferscale.client import MemoryAPIError, MemoryClient
 
         with MemoryClient(server, args.api_key, timeout=120,
                           data_dir=settings.data_dir) as memory:
             try:
-                print(json.dumps(memory.forget(args.user)))
+                print(_json(memory.forget(args.user)))
             except MemoryAPIError as exc:
                 print(exc, file=sys.stderr)
                 return 1
@@ -48,9 +55,9 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
     from inferscale.core.endpoints import resolve_kafka_bootstrap
     from inferscale.db.engine import create_engine
     from inferscale.kv.store import KVStore
-    from inferscale.pipeline.forget import forget_user
     from inferscale.pipeline.invalidation import publish_invalidation
     from inferscale.pipeline.kafka import kafka_security
+    from inferscale.serving.forget import forget_user
 
     async def go():
         engine = create_engine(settings=settings)
@@ -72,8 +79,6 @@ def _forget(args: argparse.Namespace, settings: Settings) -> int:
 
 def _memory(args: argparse.Namespace, settings: Settings) -> int:
     """``inferscale memory ACTION``: the memory API of a running server, through the client."""
-    import json
-
     from inferscale.client import MemoryAPIError, MemoryClient
 
     server = args.server or settings.server_url
@@ -97,7 +102,7 @@ def _memory(args: argparse.Namespace, settings: Settings) -> int:
             "history": lambda: memory.history(args.user, args.fact),
         }
         try:
-            print(json.dumps(calls[args.action](), indent=2))
+            print(_json(calls[args.action]()))
         except MemoryAPIError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -2,9 +2,9 @@
 
 Only the memory front end inside the server makes plans; the connector refuses any plan whose
 HMAC does not verify, so an HTTP client can neither name blobs nor borrow another user's facts.
-Plans carry fact ids (never paths) and, per segment, the length and a digest of the token ids it
-must match in the prompt and in its blob (not the ids: at k = 50 signing and checking 2,243 ids
-as JSON took 1.4 ms per request).
+Plans carry blob names (``blob_name.py``: fact ids, never paths) and, per segment, the length
+and a digest of the token ids it must match in the prompt and in its blob (not the ids: at
+k = 50 signing and checking 2,243 ids as JSON took 1.4 ms per request).
 """
 
 from __future__ import annotations
@@ -18,22 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from inferscale.contracts.blob_name import BlobName
+
 PLAN_KEY = "inferscale"
-LEAD = ".lead"  # blob name suffix of a fact's lead encoding
-PREAMBLE = "preamble"  # blob and segment name of the preamble's own KV, one per model
-
-
-def lead_name(fact_id: int | str) -> str:
-    """The blob name of a fact's lead encoding: its KV encoded after the preamble alone, exact
-    where the fact is served first."""
-    return f"{fact_id}{LEAD}"
-
-
-def holds_lead(fact_id: int, share: float) -> bool:
-    """Whether a fact is among the ``share`` of facts given a lead blob: decided by a hash of its
-    id (ids come in runs per conversation), the same on every worker and every re-encoding."""
-    digest = hashlib.blake2b(str(fact_id).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < share * 2**64
 
 
 class PlanError(ValueError):
@@ -50,17 +37,17 @@ def token_digest(token_ids: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class Segment:
-    """One stored span: ``name`` is a fact id, a lead blob (``lead_name``) or "preamble"; it
-    starts at ``start`` and holds ``length`` tokens whose ``token_digest`` is ``digest``."""
+    """One stored span: the blob ``name`` (a fact's, a lead blob or the preamble's) starts at
+    ``start`` and holds ``length`` tokens whose ``token_digest`` is ``digest``."""
 
-    name: str
+    name: BlobName
     start: int
     length: int
     digest: str
     checksum: str | None = None
 
     @classmethod
-    def of(cls, name: str, start: int, token_ids: Sequence[int],
+    def of(cls, name: BlobName, start: int, token_ids: Sequence[int],
            checksum: str | None = None) -> Segment:
         return cls(name, start, len(token_ids), token_digest(token_ids), checksum)
 
@@ -103,7 +90,7 @@ def _mac(body: dict[str, Any], secret: str) -> str:
 def sign(plan: Plan, secret: str) -> dict[str, Any]:
     """The plan as a JSON-able dict with its signature."""
     body = {"fingerprint": plan.fingerprint, "key_scales": plan.key_scales,
-            "segments": [{"name": s.name, "start": s.start, "length": s.length,
+            "segments": [{"name": str(s.name), "start": s.start, "length": s.length,
                           "digest": s.digest, "checksum": s.checksum} for s in plan.segments]}
     return {**body, "sig": _mac(body, secret)}
 
@@ -115,13 +102,14 @@ def _segment(raw: object) -> Segment:
     if not isinstance(raw, dict) or set(raw) - set(_SEGMENT_KEYS):
         raise PlanError("malformed plan: a segment must be an object")
     name, start, length, digest, checksum = (raw.get(k) for k in _SEGMENT_KEYS)
-    if not isinstance(name, str) or type(start) is not int or start < 0:
+    blob = BlobName.parse(name) if isinstance(name, str) else None
+    if blob is None or type(start) is not int or start < 0:
         raise PlanError("malformed plan: segment name/start")
     if type(length) is not int or not isinstance(digest, str):
         raise PlanError("malformed plan: segment length/digest")
     if checksum is not None and not isinstance(checksum, str):
         raise PlanError("malformed plan: segment checksum")
-    return Segment(name, start, length, digest, checksum)
+    return Segment(blob, start, length, digest, checksum)
 
 
 def verify(data: object, secret: str) -> Plan:

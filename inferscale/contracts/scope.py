@@ -46,11 +46,20 @@ _SCOPE_VALUE: TypeAdapter[str] = TypeAdapter(ScopeValue)
 _OWNER_ID: TypeAdapter[str] = TypeAdapter(OwnerId)
 
 
-def is_owner_id(value: object) -> bool:
-    """Whether ``value`` is a memory owner id (the one check every entry point applies)."""
+def _valid(adapter: TypeAdapter[str], value: object) -> bool:
     try:
-        _OWNER_ID.validate_python(value, strict=True)
+        adapter.validate_python(value, strict=True)
     except ValueError:  # pydantic's ValidationError
         return False
     return True
+
+
+def is_scope_value(value: object) -> bool:
+    """Whether ``value`` is an agent or run id some fact could hold."""
+    return _valid(_SCOPE_VALUE, value)
+
+
+def is_owner_id(value: object) -> bool:
+    """Whether ``value`` is a memory owner id (the one check every entry point applies)."""
+    return _valid(_OWNER_ID, value)
 ANY: Final = Scope()

@@ -1,28 +1,21 @@
 """Render ``docs/configuration.md`` from :class:`inferscale.core.settings.Settings`.
 
 The settings class is the one source of truth for configuration: this module reads its fields
-(name, type, default, constraints) and their documentation (a field's ``description`` if it has
-one, else the comment lines right above it in ``settings.py`` and a comment at the end of its
-line), and writes one table row per field, grouped by the section comments of the class
-(``# Serving.``). ``tests/unit/test_docs.py`` fails when the committed page differs from what
-this module renders, so after changing a setting run::
+(``Settings.model_fields``: name, type, default, constraints, ``description``) and its sections
+(``Settings.SECTIONS``), and writes one table row per field. ``tests/unit/test_docs.py`` fails
+when the committed page differs from what this module renders, so after changing a setting run::
 
     python -m inferscale.core.settings_doc
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import io
 import json
 import re
 import sys
-import textwrap
-import tokenize
-from dataclasses import dataclass
+import types
 from pathlib import Path
-from typing import Literal, get_args, get_origin
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic.fields import FieldInfo
@@ -30,12 +23,6 @@ from pydantic.fields import FieldInfo
 from inferscale.core.settings import Settings
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-SETTINGS_FILE = "inferscale/core/settings.py"
-FIRST_SECTION = "General"
-# A comment block that follows a blank line opens a section when its first line starts with a
-# short title ending in "." or ":" ("# Serving.", "# KV store tiers. The durable tier: ...").
-SECTION_TITLE = re.compile(r"(?P<title>[A-Z][A-Za-z0-9 /-]*?)[.:](?:\s+(?P<rest>.*))?")
-MAX_TITLE_WORDS = 4
 
 HEADER = """\
 # Configuration
@@ -75,17 +62,6 @@ FOOTER = ("## Read outside `Settings`\n\n| variable | read by | what it does |\n
                     for names, reader, what in OUTSIDE_SETTINGS))
 
 
-@dataclass(frozen=True)
-class FieldDoc:
-    """What the page says about one setting."""
-
-    section: str
-    env: str
-    type: str
-    default: str
-    description: str
-
-
 def _markdown_text(text: str) -> str:
     """Comment text as table-cell markdown: reST literals to code spans; outside code spans
     the characters markdown would read as markup escaped; pipes escaped everywhere."""
@@ -98,10 +74,6 @@ def _markdown_text(text: str) -> str:
         else:
             out.append(part.replace("*", r"\*").replace("<", "&lt;").replace(">", "&gt;"))
     return "".join(out).replace("|", r"\|")
-
-
-def _comment_text(line: str) -> str:
-    return line.strip().removeprefix("#").strip()
 
 
 def _render_value(name: str, value: object) -> str:
@@ -149,75 +121,38 @@ def _constraints(field: FieldInfo) -> list[str]:
             for kind, attr, shown in _LIMITS if isinstance(item, kind)]
 
 
-def _literal_aliases(settings_class: type[Settings]) -> dict[str, str]:
-    """Module-level ``Literal`` aliases of the settings' module, spelled out."""
-    module = sys.modules[settings_class.__module__]
-    return {name: "Literal[" + ", ".join(f'"{arg}"' for arg in get_args(value)) + "]"
-            for name, value in vars(module).items() if get_origin(value) is Literal}
+def _spelled(annotation: object) -> str:
+    """A type as it is written in ``settings.py`` (``Literal`` values in double quotes)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return f"Literal[{', '.join(json.dumps(arg) for arg in args)}]"
+    if origin is Annotated:
+        return _spelled(args[0])
+    if origin in (Union, types.UnionType):
+        return " | ".join(_spelled(arg) for arg in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_spelled(arg) for arg in args)}]"
+    return "None" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 
-def _type(annotation: str, field: FieldInfo) -> str:
-    shown = "`" + " ".join(annotation.split()).replace("|", r"\|") + "`"
+def _type(field: FieldInfo) -> str:
+    shown = "`" + _spelled(field.annotation).replace("|", r"\|") + "`"
     constraints = _constraints(field)
     return f"{shown} ({', '.join(constraints)})" if constraints else shown
 
 
-def field_docs(settings_class: type[Settings] = Settings) -> list[FieldDoc]:
-    """One entry per settings field, in the order the class defines them."""
-    source = textwrap.dedent(inspect.getsource(settings_class))
-    lines = source.splitlines()
-    classdef = ast.parse(source).body[0]
-    assert isinstance(classdef, ast.ClassDef)
-    inline: dict[int, str] = {}  # 1-based line -> comment after code on that line
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT and not token.line.strip().startswith("#"):
-            inline[token.start[0]] = _comment_text(token.string)
-    prefix = str(settings_class.model_config.get("env_prefix", ""))
-    fields = settings_class.model_fields
-    section = FIRST_SECTION
-    docs: list[FieldDoc] = []
-    aliases = _literal_aliases(settings_class)
-    for node in classdef.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        name = node.target.id
-        if name not in fields:
-            continue  # a ClassVar or a private attribute
-        field = fields[name]
-        above: list[str] = []
-        index = node.lineno - 2  # 0-based index of the line above the field
-        while index >= 0 and lines[index].strip().startswith("#"):
-            above.insert(0, _comment_text(lines[index]))
-            index -= 1
-        opens_block = index < 0 or not lines[index].strip()
-        if above and opens_block:
-            match = SECTION_TITLE.fullmatch(above[0])
-            if match and len(match["title"].split()) <= MAX_TITLE_WORDS:
-                section = match["title"]
-                above = ([match["rest"]] if match["rest"] else []) + above[1:]
-        end = node.end_lineno or node.lineno
-        trailing = [inline[line] for line in range(node.lineno, end + 1) if line in inline]
-        description = field.description or " ".join(above + trailing)
-        annotation = ast.get_source_segment(source, node.annotation) or str(field.annotation)
-        for alias, spelled in aliases.items():
-            annotation = re.sub(rf"\b{alias}\b", spelled, annotation)
-        docs.append(FieldDoc(section=section, env=f"{prefix}{name.upper()}",
-                             type=_type(annotation, field), default=_default(name, field),
-                             description=_markdown_text(description) if description else "—"))
-    return docs
-
-
 def configuration_markdown(settings_class: type[Settings] = Settings) -> str:
-    """The configuration page: every setting's variable, type, default and description."""
+    """The configuration page: every setting's variable, type, default and description, by
+    section."""
     prefix = str(settings_class.model_config.get("env_prefix", ""))
     out = [HEADER.format(prefix=prefix)]
-    section: str | None = None
-    for doc in field_docs(settings_class):
-        if doc.section != section:
-            section = doc.section
+    for name, field in settings_class.model_fields.items():
+        if section := settings_class.SECTIONS.get(name):
             out.append(f"## {section}\n\n| variable | type | default | description |\n"
                        "|---|---|---|---|\n")
-        out[-1] += f"| `{doc.env}` | {doc.type} | {doc.default} | {doc.description} |\n"
+        description = _markdown_text(field.description) if field.description else "—"
+        out[-1] += (f"| `{prefix}{name.upper()}` | {_type(field)} | {_default(name, field)} | "
+                    f"{description} |\n")
     out.append(FOOTER)
     return "\n".join(out)
 

@@ -17,11 +17,13 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from inferscale.contracts.blob_name import FactId
 from inferscale.db.tables import fact_kv, facts, forgotten_users, turns
 from inferscale.db.turns import lock_users
 
 
-async def delete_user(conn: AsyncConnection, user_id: str) -> tuple[list[int], list[str]]:
+async def delete_user(conn: AsyncConnection, user_id: str
+                      ) -> tuple[list[FactId], list[str]]:
     """Delete a user's turns and facts and leave a tombstone; returns the deleted fact ids and
     the KV locations recorded for them, for every model (blobs to remove from every tier)."""
     await lock_users(conn, [user_id], exclusive=True)

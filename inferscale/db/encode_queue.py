@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from inferscale.contracts.blob_name import FactId
 from inferscale.db.tables import fact_kv, facts, kv_models
 
 # Encode errors starting "storage:" (the durable tier failed) are retried until they clear;
@@ -38,7 +39,7 @@ class PendingFact:
     """A fact waiting for its KV (or, ``reencode``, for KV after a wider context), with the
     context it is encoded after."""
 
-    id: int
+    id: FactId
     user_id: str
     text: str
     context: list[str]  # oldest first
@@ -227,7 +228,7 @@ async def quarantine_crashed_facts(conn: AsyncConnection, fingerprint: str,
 class EncodedFact:
     """One fact's KV as an encode stage stored it: what ``record_encoded`` records."""
 
-    id: int
+    id: FactId
     claim: int  # the claim it was encoded under (a newer claim wins)
     fingerprint: str  # the model's
     token_ids: list[int]

@@ -20,8 +20,10 @@ from sqlalchemy import Select, and_, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from inferscale.contracts.filters import EVERYTHING, Node
 from inferscale.contracts.scope import ANY, Scope
 from inferscale.db.deletion import kv_locations
+from inferscale.db.filter_sql import filter_sql
 from inferscale.db.reads import in_scope
 from inferscale.db.tables import fact_kv, facts
 from inferscale.db.turns import lock_users
@@ -54,6 +56,7 @@ class FactRecord:
     encoded_at: datetime | None
     agent_id: str | None
     run_id: str | None
+    metadata: dict[str, Any]
 
     def as_json(self, memory_tiers: list[str] | None = None) -> dict[str, Any]:
         """The record as the API returns it (timestamps in ISO 8601), with the tiers that
@@ -61,7 +64,7 @@ class FactRecord:
         tiers = (["durable"] if self.kv_location else []) + (memory_tiers or [])
         return {"id": self.id, "user_id": self.user_id, "text": self.text,
                 "conversation_id": self.conversation_id, "turn_ids": self.turn_ids,
-                "agent_id": self.agent_id, "run_id": self.run_id,
+                "agent_id": self.agent_id, "run_id": self.run_id, "metadata": self.metadata,
                 "extractor": self.extractor, "ts": self.ts.isoformat(),
                 "created_at": self.created_at.isoformat(),
                 "deleted_at": self.deleted_at.isoformat() if self.deleted_at else None,
@@ -80,7 +83,7 @@ def _records(fingerprint: str) -> Select:
                   facts.c.deleted_at, facts.c.superseded_by, k.token_count,
                   k.kv_location.is_not(None).label("kv_encoded"), k.kv_location, k.kv_bytes,
                   k.kv_evicted_at.is_not(None).label("kv_evicted"), k.model_fingerprint,
-                  k.encoded_at, facts.c.agent_id, facts.c.run_id).select_from(
+                  k.encoded_at, facts.c.agent_id, facts.c.run_id, facts.c.metadata).select_from(
         facts.outerjoin(fact_kv, and_(k.fact_id == facts.c.id,
                                       k.model_fingerprint == fingerprint)))
 
@@ -90,13 +93,43 @@ def _record(row: Any) -> FactRecord:
 
 
 async def list_facts(conn: AsyncConnection, user_id: str, fingerprint: str, after_id: int,
-                     limit: int, scope: Scope = ANY) -> list[FactRecord]:
-    """The owner's live facts in ``scope`` with ids above ``after_id``, in id order, at most
-    ``limit``, with their KV for model ``fingerprint``."""
+                     limit: int, scope: Scope = ANY, where: Node = EVERYTHING, offset: int = 0
+                     ) -> list[FactRecord]:
+    """The owner's live facts in ``scope`` passing the filter ``where`` with ids above
+    ``after_id``, in id order, at most ``limit`` after skipping ``offset``, with their KV for
+    model ``fingerprint``."""
     rows = await conn.execute(_records(fingerprint).where(
         facts.c.user_id == user_id, facts.c.deleted_at.is_(None), facts.c.id > after_id,
-        *in_scope(scope)).order_by(facts.c.id).limit(limit))
+        *in_scope(scope), filter_sql(where)).order_by(facts.c.id).offset(offset).limit(limit))
     return [_record(row) for row in rows]
+
+
+async def count_facts(conn: AsyncConnection, user_id: str, where: Node = EVERYTHING) -> int:
+    """How many live facts of the owner pass the filter ``where``."""
+    return int((await conn.execute(select(func.count()).select_from(facts).where(
+        facts.c.user_id == user_id, facts.c.deleted_at.is_(None), filter_sql(where))
+    )).scalar_one())
+
+
+async def get_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
+                    fact_ids: list[int]) -> list[FactRecord]:
+    """These live facts of the owner (the others left out), in id order, with their KV for
+    model ``fingerprint``."""
+    rows = await conn.execute(_records(fingerprint).where(
+        facts.c.user_id == user_id, facts.c.deleted_at.is_(None), facts.c.id.in_(fact_ids))
+        .order_by(facts.c.id))
+    return [_record(row) for row in rows]
+
+
+async def owners_with_facts(conn: AsyncConnection, owners: list[str] | None, limit: int
+                            ) -> dict[str, int]:
+    """The owners (among ``owners``; None: any) with live facts, and how many, at most
+    ``limit`` in owner order."""
+    stmt = (select(facts.c.user_id, func.count()).where(facts.c.deleted_at.is_(None))
+            .group_by(facts.c.user_id).order_by(facts.c.user_id).limit(limit))
+    if owners is not None:
+        stmt = stmt.where(facts.c.user_id.in_(owners))
+    return {row[0]: int(row[1]) for row in await conn.execute(stmt)}
 
 
 async def get_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_id: int,
@@ -149,10 +182,40 @@ async def delete_fact(conn: AsyncConnection, user_id: str, fact_id: int
     return (row is not None, (await kv_locations(conn, [fact_id])).get(fact_id, []) if row else [])
 
 
+async def delete_facts(conn: AsyncConnection, user_id: str, where: Node, limit: int
+                       ) -> tuple[list[int], list[str]]:
+    """Retire up to ``limit`` live facts of the owner passing the filter ``where`` (the lowest
+    ids first): (their ids, their KV locations for every model)."""
+    await lock_users(conn, [user_id], exclusive=False)
+    chosen = (select(facts.c.id).where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None),
+                                       filter_sql(where))
+              .order_by(facts.c.id).limit(limit).with_for_update())
+    ids = sorted(row.id for row in await conn.execute(
+        facts.update().where(facts.c.id.in_(chosen.scalar_subquery()))
+        .values(deleted_at=func.clock_timestamp()).returning(facts.c.id)))
+    locations = await kv_locations(conn, ids)
+    return ids, [location for fact_id in ids for location in locations.get(fact_id, [])]
+
+
+async def fact_owner(conn: AsyncConnection, fact_id: int) -> tuple[str, int] | None:
+    """(the owner of a fact, the live version it is now: itself, or the last of the versions
+    that replaced it) ; None where no such fact, or where its last version was deleted."""
+    row = (await conn.execute(text("""
+        WITH RECURSIVE later(id, user_id, superseded_by, deleted_at) AS (
+            SELECT id, user_id, superseded_by, deleted_at FROM facts WHERE id = :id
+            UNION ALL SELECT f.id, f.user_id, f.superseded_by, f.deleted_at
+            FROM facts f JOIN later l ON f.id = l.superseded_by AND f.user_id = l.user_id
+        )
+        SELECT id, user_id FROM later WHERE deleted_at IS NULL"""), {"id": fact_id})).first()
+    return (row.user_id, int(row.id)) if row else None
+
+
 async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_id: int,
-                    new_text: str, embedding: list[float]
+                    new_text: str | None, embedding: list[float] | None,
+                    new_metadata: dict[str, Any] | None = None
                     ) -> tuple[FactRecord, list[str]] | None:
-    """Replace one live fact of the owner by a new fact with ``new_text`` (same owner, scope,
+    """Replace one live fact of the owner by a new fact with ``new_text`` (and its
+    ``embedding``) and / or ``new_metadata`` (None: the old fact's; same owner, scope,
     conversation, source turns and time; no KV yet) and retire the old one, superseded by it:
     (the new fact, with its KV for model ``fingerprint``; the old fact's KV locations for every
     model, to remove everywhere); None where the owner has no such live fact."""
@@ -167,8 +230,11 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_
         facts.c.extractor == EDIT_EXTRACTOR, facts.c.turn_ids == old.turn_ids))).scalar_one()
     new_id = (await conn.execute(insert(facts).values(
         user_id=user_id, conversation_id=old.conversation_id, turn_ids=old.turn_ids,
-        ordinal=ordinal, extractor=EDIT_EXTRACTOR, text=new_text, ts=old.ts,
-        embedding=embedding, agent_id=old.agent_id, run_id=old.run_id)
+        ordinal=ordinal, extractor=EDIT_EXTRACTOR,
+        text=old.text if new_text is None else new_text, ts=old.ts,
+        embedding=old.embedding if embedding is None else embedding,
+        agent_id=old.agent_id, run_id=old.run_id,
+        metadata=old.metadata if new_metadata is None else new_metadata)
         .returning(facts.c.id))).scalar_one()
     await conn.execute(facts.update().where(facts.c.id == fact_id).values(
         deleted_at=func.clock_timestamp(), superseded_by=new_id))
@@ -178,10 +244,10 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_
 
 
 async def add_fact(conn: AsyncConnection, user_id: str, fingerprint: str, conversation_id: str,
-                   fact_text: str, ts: datetime, embedding: list[float], scope: Scope = ANY
-                   ) -> FactRecord:
-    """Store a fact given directly (an operator's, in ``scope``; no source turn, no KV yet),
-    shown with its KV status for model ``fingerprint``."""
+                   fact_text: str, ts: datetime, embedding: list[float], scope: Scope = ANY,
+                   metadata: dict[str, Any] | None = None) -> FactRecord:
+    """Store a fact given directly (in ``scope``, with ``metadata``; no source turn, no KV
+    yet), shown with its KV status for model ``fingerprint``."""
     await lock_users(conn, [user_id], exclusive=False)
     ordinal = (await conn.execute(select(func.coalesce(func.max(facts.c.ordinal), -1) + 1).where(
         facts.c.user_id == user_id, facts.c.conversation_id == conversation_id,
@@ -189,7 +255,8 @@ async def add_fact(conn: AsyncConnection, user_id: str, fingerprint: str, conver
     new_id = (await conn.execute(insert(facts).values(
         user_id=user_id, conversation_id=conversation_id, turn_ids=[], ordinal=ordinal,
         extractor=OPERATOR_EXTRACTOR, text=fact_text, ts=ts, embedding=embedding,
-        agent_id=scope.agent_id, run_id=scope.run_id).returning(facts.c.id))).scalar_one()
+        agent_id=scope.agent_id, run_id=scope.run_id, metadata=metadata or {})
+        .returning(facts.c.id))).scalar_one()
     record = await get_fact(conn, user_id, fingerprint, new_id)
     assert record is not None  # inserted in this transaction
     return record

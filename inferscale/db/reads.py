@@ -6,16 +6,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     and_,
+    cast,
+    func,
     select,
     text,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from inferscale.contracts.blob_name import FactId
+from inferscale.contracts.filters import EVERYTHING, Node
 from inferscale.contracts.scope import ANY, Scope
+from inferscale.db.filter_sql import filter_sql
 from inferscale.db.tables import fact_kv, facts, memory_versions
 
 
@@ -24,7 +32,7 @@ class RetrievedFact:
     """One retrieval hit, with its KV for the served model: ``kv_location`` is None while the
     fact is not encoded for it."""
 
-    id: int
+    id: FactId
     text: str
     distance: float
     token_ids: list[int] | None
@@ -41,16 +49,17 @@ async def memory_version(conn: AsyncConnection, user_id: str) -> tuple[int, int]
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 async def top_k_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
-                      query_embedding: Sequence[float], k: int, scope: Scope = ANY
-                      ) -> list[RetrievedFact]:
-    """The owner's k live facts in ``scope`` nearest to the query, ranked by pgvector (exact:
-    the owner's rows through ix_facts_user), with their KV for model ``fingerprint``: for owners
-    too large for a server's in-process index."""
+                      query_embedding: Sequence[float], k: int, scope: Scope = ANY,
+                      where: Node = EVERYTHING) -> list[RetrievedFact]:
+    """The owner's k live facts in ``scope`` passing the filter ``where`` nearest to the query,
+    ranked by pgvector (exact: the owner's rows through ix_facts_user), with their KV for model
+    ``fingerprint``: for owners too large for a server's in-process index."""
     distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
     # Rank first, then join the k hits' KV rows (a join before the limit would read the
     # model's KV rows of every fact of the owner).
     hits = (select(facts.c.id, facts.c.text, distance)
-            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None), *in_scope(scope))
+            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None), *in_scope(scope),
+                   filter_sql(where))
             .order_by(distance, facts.c.id).limit(k).subquery())
     kv = hits.outerjoin(fact_kv, and_(fact_kv.c.fact_id == hits.c.id,
                                       fact_kv.c.model_fingerprint == fingerprint))
@@ -84,20 +93,26 @@ async def memory_delta(conn: AsyncConnection, user_id: str, after_id: int) -> Me
 
 @dataclass(frozen=True)
 class StoredEmbedding:
-    """A fact's embedding (pgvector's binary format) and scope: neither ever changes."""
+    """A fact's embedding (pgvector's binary format) and what filters read of it (scope,
+    metadata, time): none of them ever changes."""
 
     id: int
     embedding: bytes
     agent_id: str | None
     run_id: str | None
+    metadata: dict
+    created_at: datetime
 
 async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
                           ) -> list[StoredEmbedding]:
-    """These facts' embeddings and scopes, in id order."""
-    rows = await conn.execute(text(
-        "SELECT id, vector_send(embedding) AS embedding, agent_id, run_id FROM facts "
-        "WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id"), {"ids": list(fact_ids)})
-    return [StoredEmbedding(r.id, bytes(r.embedding), r.agent_id, r.run_id) for r in rows]
+    """These facts' embeddings, scopes, metadata and times, in id order."""
+    rows = await conn.execute(select(
+        facts.c.id, func.vector_send(facts.c.embedding).label("embedding"), facts.c.agent_id,
+        facts.c.run_id, facts.c.metadata, facts.c.created_at)
+        .where(facts.c.id == func.any(cast(list(fact_ids), ARRAY(BigInteger))))
+        .order_by(facts.c.id))
+    return [StoredEmbedding(r.id, bytes(r.embedding), r.agent_id, r.run_id, r.metadata,
+                            r.created_at) for r in rows]
 
 def in_scope(scope: Scope) -> list[ColumnElement[bool]]:
     """SQL conditions selecting the facts in ``scope`` (none for a scope setting nothing)."""

@@ -16,7 +16,7 @@ from sqlalchemy import (
     Text,
     func,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 EMBEDDING_DIM = 384
 
@@ -57,6 +57,8 @@ facts = Table(
     Column("embedding", Vector(EMBEDDING_DIM), nullable=False),
     Column("agent_id", String(256)),  # its turn's scopes (migration 0011; NULL: none)
     Column("run_id", String(256)),
+    # An application's bounded JSON object (migration 0014; {}: none), never changed in place.
+    Column("metadata", JSONB, nullable=False, server_default="{}"),
     Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
     Column("deleted_at", DateTime(timezone=True)),
     Column("superseded_by", BigInteger),

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from inferscale.contracts.blob_name import PREAMBLE
 from inferscale.contracts.layout import MemoryLayout
-from inferscale.contracts.plan import PREAMBLE
 from inferscale.core.settings import Settings
 from inferscale.kv.model_family import attention_shape
 from inferscale.kv.store import KVStore

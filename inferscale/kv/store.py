@@ -1,36 +1,34 @@
 """Tiered store of per-fact KV blobs: durable tier -> host-RAM LRU -> device hot cache.
 
-Blobs are named (a fact id; ``<fact id>.lead``, the fact's lead encoding: its KV encoded after
-the preamble alone, stored next to it; or "preamble") and encoded by ``inferscale.contracts.blob``;
-callers use names (``exists``, ``put``, ``load``) or the locations recorded in Postgres
-(``get``, ``get_many``), never paths. Evicting or deleting a fact's blob takes its lead blob
-with it. The durable tier (``inferscale.kv.durable``: a directory or a bucket)
-makes writes atomic; checksum and fingerprint are verified when a blob is paged in from it,
-except that a store hashes a file's content once per version of the file (``file_version``:
-identity, size and change times; a bucket's objects are hashed at every read). A blob may be
-rewritten under its name (a fact encoded again): a memory tier serves its copy only to a reader
-that expects that copy's checksum (or none), others page the new blob in.
+Blobs are named by ``inferscale.contracts.blob_name`` (a fact's, its lead encoding's: its KV encoded
+after the preamble alone, stored next to it; or the preamble's) and encoded by
+``inferscale.contracts.blob``; callers use names (``exists``, ``put``, ``load``) or the locations
+recorded in Postgres (``get``, ``get_many``), never paths. Evicting or deleting a fact's blob takes
+its lead blob with it. The durable tier (``inferscale.kv.durable``: a directory or a bucket) makes
+writes atomic; checksum and fingerprint are verified when a blob is paged in from it, except that a
+store hashes a file's content once per version of the file (``file_version``: identity, size and
+change times; a bucket's objects are hashed at every read). A blob may be rewritten under its name
+(a fact encoded again): a memory tier serves its copy only to a reader that expects that copy's
+checksum (or none), others page the new blob in.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import torch
 from cachetools import LRUCache
 
 from inferscale.contracts.blob import KVBlob, decode_blob, encode_blob
+from inferscale.contracts.blob_name import BlobName, FactId, parse_location, with_leads
 from inferscale.contracts.kv_format import RAW
-from inferscale.contracts.plan import LEAD
 from inferscale.core.procs import run_on_process_cpus
 from inferscale.kv.durable import BlobMissing, Durable, KVBlobError, Read, open_durable
 from inferscale.kv.host_arena import HostArena, pinned_buffer
@@ -46,7 +44,6 @@ __all__ = ["BlobMissing", "ByteLRU", "ChecksumMismatch", "FingerprintMismatch", 
 # (mapped only once a page-in needs it).
 PAGE_IN_ARENA_MIN = 256 << 20
 VERIFIED_VERSIONS = 1 << 16  # blob versions remembered as hashed: ~64 GB of KV at 1 MB a blob
-_BLOB = ".safetensors"
 
 
 def _finished(call: Callable[..., KVBlob], *args: Any) -> Future[KVBlob]:
@@ -57,23 +54,6 @@ def _finished(call: Callable[..., KVBlob], *args: Any) -> Future[KVBlob]:
     except Exception as exc:  # noqa: BLE001 - raised to the caller as a thread's would be
         done.set_exception(exc)
     return done
-
-
-def _fact_id(stem: str) -> int | None:
-    """The fact id of a blob file stem (``12`` or ``12.lead``), None for other blobs."""
-    base = stem.removesuffix(LEAD)
-    return int(base) if base.isascii() and base.isdigit() else None
-
-
-def _with_leads(locations: Iterable[str]) -> list[str]:
-    """The locations and, after each fact blob's, where its lead blob would be."""
-    out: dict[str, None] = {}
-    for location in locations:
-        out[location] = None
-        stem = PurePosixPath(location).name.removesuffix(_BLOB)
-        if location.endswith(_BLOB) and not stem.endswith(LEAD) and _fact_id(stem) is not None:
-            out[f"{location.removesuffix(_BLOB)}{LEAD}{_BLOB}"] = None
-    return list(out)
 
 
 class ChecksumMismatch(KVBlobError):
@@ -192,23 +172,21 @@ class KVStore:
 
     # --- durable tier -------------------------------------------------------------------------
 
-    def location_for(self, name: str, fingerprint: str | None = None) -> str:
-        """Relative location of a blob named ``name`` for this store's model (or the model with
-        ``fingerprint``, which may be its 16-char prefix); a lead blob shares its fact's shard."""
-        shard = hashlib.sha1(name.removesuffix(LEAD).encode()).hexdigest()[:2]
-        return f"{(fingerprint or self.fingerprint)[:16]}/{shard}/{name}{_BLOB}"
+    def location_for(self, name: BlobName) -> str:
+        """Relative location of the blob ``name`` for this store's model."""
+        return name.location(self.fingerprint)
 
-    def locations_of(self, names: Iterable[str]) -> list[str]:
+    def locations_of(self, names: Iterable[BlobName]) -> list[str]:
         """Where blobs named ``names`` would be for every model this durable tier holds (the
         models are listed once: one LIST request on S3, not one per name)."""
         models = list(self.durable.folders())
-        return [self.location_for(name, model) for name in names for model in models]
+        return [name.location(model) for name in names for model in models]
 
-    def exists(self, name: str) -> bool:
+    def exists(self, name: BlobName) -> bool:
         """Whether this model's durable blob ``name`` exists."""
         return self.durable.exists(self.location_for(name))
 
-    def put(self, name: str, k: torch.Tensor, v: torch.Tensor, token_ids: list[int],
+    def put(self, name: BlobName, k: torch.Tensor, v: torch.Tensor, token_ids: list[int],
             window: int, kv_format: str = RAW) -> StoredBlob:
         """Write a blob durably and atomically, K/V stored in ``kv_format``; identical rewrites
         are harmless."""
@@ -338,11 +316,11 @@ class KVStore:
         self._keep_until_copied(sources)
         return out
 
-    def load(self, name: str, expected_checksum: str | None = None) -> KVBlob:
+    def load(self, name: BlobName, expected_checksum: str | None = None) -> KVBlob:
         """This model's blob ``name``, through the tiers (see ``get``)."""
         return self.get(self.location_for(name), expected_checksum)
 
-    def load_many(self, names: list[str], checksums: list[str | None]) -> list[KVBlob]:
+    def load_many(self, names: list[BlobName], checksums: list[str | None]) -> list[KVBlob]:
         """This model's blobs ``names``, through the tiers (see ``get_many``)."""
         return self.get_many([self.location_for(name) for name in names], checksums)
 
@@ -351,7 +329,7 @@ class KVStore:
         returns how many of ``locations`` were held, either blob counting."""
         held = 0
         for location in locations:
-            variants = _with_leads([location])
+            variants = with_leads([location])
             held += any(v in self.host or (self.hot is not None and v in self.hot)
                         for v in variants)
             for variant in variants:
@@ -364,19 +342,18 @@ class KVStore:
         """For each location, the memory tiers ("host", "device") holding its blob or its
         fact's lead blob."""
         return [[tier.tier for tier in (self.host, self.hot) if tier is not None
-                 and any(variant in tier for variant in _with_leads([location]))]
+                 and any(variant in tier for variant in with_leads([location]))]
                 for location in locations]
 
     def delete(self, locations: list[str]) -> int:
         """Remove blobs (and their facts' lead blobs) from every tier; returns how many durable
         blobs were removed."""
         self.evict(locations)
-        return self.durable.delete_many(_with_leads(locations))
+        return self.durable.delete_many(with_leads(locations))
 
-    def fact_blobs(self) -> Iterator[tuple[int, str]]:
+    def fact_blobs(self) -> Iterator[tuple[FactId, str]]:
         """(fact id, location) of every durable fact blob and lead blob, of any model."""
         for location in self.durable.list():
-            path = PurePosixPath(location)
-            if (len(path.parts) == 3 and path.suffix == _BLOB
-                    and (fact_id := _fact_id(path.stem)) is not None):
-                yield fact_id, location
+            name = parse_location(location)
+            if name is not None and name.fact_id is not None:
+                yield name.fact_id, location

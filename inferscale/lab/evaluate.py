@@ -296,7 +296,17 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int,
                                        out_dir / "eval-fidelity.jsonl"))
     summary = summarize(records, plan)
     _print(summary)
-    report = {"data": str(data), "conversations": list(conversations), "questions": len(items),
+    from inferscale.contracts.fingerprint import model_fingerprint
+    from inferscale.core.model_prep import resolve_model_path
+    from inferscale.serving.calibration import SETTINGS, calibrated
+
+    model_path = resolve_model_path(settings)
+    fingerprint = model_fingerprint(model_path)
+    chosen, _ = calibrated(settings, fingerprint)  # what the server's recompute auto ran with
+    report = {"model": model_path.name, "fingerprint": fingerprint,
+              "recompute_auto_settings": {name: chosen.get(name, getattr(settings, name))
+                                          for name in SETTINGS.values()},
+              "data": str(data), "conversations": list(conversations), "questions": len(items),
               "ks": list(ks), "windows": list(windows),
               "contexts": list(contexts), "recomputes": list(recomputes), "order": order,
               "leads": list(leads), "key_scales": list(key_scales),

@@ -58,21 +58,33 @@ def bootstrap_mean_ci(values: Sequence[float], resamples: int = 2000, level: flo
     return float(low), float(high)
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (95% by default) of a rate of ``successes`` in ``n`` trials."""
+    if n <= 0 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n and n > 0, got {successes} of {n}")
+    rate = successes / n
+    centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def compare(reference: Sequence[dict], candidate: Sequence[dict], first_n: int = 4) -> dict:
     """Agreement of ``candidate`` answers with ``reference`` answers to the same questions.
 
     Each answer: ``token_ids`` (generated), ``first_top`` (token id -> logprob of the first
-    position), ``f1``. Returns rates, mean first-token KL and the F1 gap with its interval.
+    position), ``f1``. Returns rates (the first token's with its Wilson interval), mean
+    first-token KL and the F1 gap with its interval.
     """
     if len(reference) != len(candidate) or not reference:
         raise ValueError("compare needs the same non-empty question list on both sides")
     pairs = list(zip(reference, candidate, strict=True))
     gaps = [c["f1"] - r["f1"] for r, c in pairs]
     low, high = bootstrap_mean_ci(gaps)
+    first = sum(same_prefix(r["token_ids"], c["token_ids"], 1) for r, c in pairs)
     return {
         "questions": len(pairs),
-        "first_token": statistics.mean(same_prefix(r["token_ids"], c["token_ids"], 1)
-                                       for r, c in pairs),
+        "first_token": first / len(pairs),
+        "first_token_ci95": list(wilson_interval(first, len(pairs))),
         f"first_{first_n}": statistics.mean(same_prefix(r["token_ids"], c["token_ids"], first_n)
                                             for r, c in pairs),
         "whole_answer": statistics.mean(list(r["token_ids"]) == list(c["token_ids"])

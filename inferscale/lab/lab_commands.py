@@ -137,6 +137,21 @@ def _key_scales_choice(raw: str) -> float | None:
 
 
 def _calibrate(args: argparse.Namespace, settings: Settings) -> int:
+    if args.what == "recompute":
+        from inferscale.lab import fit_recompute
+
+        if args.data is None and args.records is None:
+            raise SystemExit("calibrate recompute needs --data (or --records of an earlier run)")
+        fit_recompute.run(settings, Path(args.data) if args.data else None,
+                          Path(args.runs_out), records=Path(args.records) if args.records
+                          else None, conversations=tuple(args.conversations),
+                          questions=args.questions, ks=tuple(args.k), tails=tuple(args.tails),
+                          max_turns=args.max_turns or None, seed=args.seed, target=args.target,
+                          max_answered_again=args.max_answered_again,
+                          profile_out=Path(args.out) if args.out else None)
+        return 0
+    if args.data is None:
+        raise SystemExit("calibrate key-scales needs --data")
     from inferscale.lab import calibrate
 
     calibrate.run(settings, Path(args.data), Path(args.out) if args.out else None,
@@ -229,20 +244,36 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "variant, text and inject alike)")
     p.set_defaults(func=_eval)
 
-    p = sub.add_parser("calibrate", help="fit the served model's key scales on LoCoMo-format "
-                                         "conversations (HF, offline)")
-    p.add_argument("--data", required=True, help="a LoCoMo-format JSON file")
-    p.add_argument("--out", help="the scales file (default: <data_dir>/key_scales/<model>.json; "
-                                 "its points at other fact counts are kept)")
+    p = sub.add_parser("calibrate", help="fit what the fidelity machinery needs for the served "
+                                         "model: key scales (HF, offline) or recompute auto's "
+                                         "margins (through the server)")
+    p.add_argument("what", nargs="?", choices=["key-scales", "recompute"], default="key-scales")
+    p.add_argument("--data", help="a LoCoMo-format JSON file")
+    p.add_argument("--out", help="key-scales: the scales file (default: <data_dir>/key_scales/"
+                                 "<model>.json; its points at other fact counts are kept); "
+                                 "recompute: the profile (default: <data_dir>/calibration/"
+                                 "<fingerprint>.json, which the server reads)")
     p.add_argument("--conversations", type=int, nargs="+", default=[1, 2],
                    help="conversation indexes to fit on (keep evaluation ones out)")
-    p.add_argument("--questions", type=int, default=40, help="questions per conversation")
+    p.add_argument("--questions", type=int, default=40,
+                   help="key-scales: questions per conversation; recompute: in all")
     p.add_argument("--k", type=int, nargs="+", default=[20, 50],
-                   help="facts per served prompt: one fitted point each (other points already "
-                        "in the output file are kept)")
-    p.add_argument("--max-turns", type=int, default=150, help="each conversation's first N turns")
+                   help="facts per served prompt (key-scales: one fitted point each, other "
+                        "points already in the output file are kept)")
+    p.add_argument("--max-turns", type=int, default=150,
+                   help="each conversation's first N turns (recompute: 0 for whole ones)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--records", help="recompute: fit on an earlier run's report (an eval "
+                                     "fidelity JSON, .gz too) instead of answering again")
+    p.add_argument("--tails", type=int, nargs="+", default=[2, 4],
+                   help="recompute: tail sizes (facts) to try")
+    p.add_argument("--target", type=float, default=0.95,
+                   help="recompute: first-token agreement with text prefill to reach")
+    p.add_argument("--max-answered-again", type=float, default=0.5,
+                   help="recompute: bound on the share of requests recomputed or sent to text")
+    p.add_argument("--runs-out", default="bench-out/calibrate",
+                   help="recompute: where the calibration run's answers and logs go")
     p.set_defaults(func=_calibrate)

@@ -13,6 +13,7 @@ import asyncio
 from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.db.encode_queue import EncodedFact, record_encoded, register_model
 from inferscale.db.tables import facts
 from inferscale.kv.encoder import EncodeItem, FactEncoder
@@ -48,7 +49,7 @@ async def oracle_owner(engine: AsyncEngine, encoder: FactEncoder, store: KVStore
     for fact_id in fact_ids:
         ids = segments[fact_id]
         end = start + len(ids)
-        blob = await loop.run_in_executor(None, store.put, str(copies[fact_id]),
+        blob = await loop.run_in_executor(None, store.put, fact_blob(copies[fact_id]),
                                           span.k[:, start:end], span.v[:, start:end], ids,
                                           ORACLE_WINDOW)
         encoded.append(EncodedFact(

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 from cachetools import TTLCache
 
+from inferscale.contracts.blob_name import PREAMBLE, FactId, fact_blob, lead_blob
 from inferscale.contracts.layout import PromptPlan
-from inferscale.contracts.plan import LEAD, PREAMBLE, Plan, Segment, lead_name
+from inferscale.contracts.plan import Plan, Segment
 from inferscale.core.settings import Settings
 from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.serving.guards import FrontendError
@@ -35,7 +36,7 @@ class MemoryPrompt:
     """What the front end decided for one request."""
 
     token_ids: list[int]
-    fact_ids: list[int]  # prompt order: injected facts, then text facts
+    fact_ids: list[FactId]  # prompt order: injected facts, then text facts
     plan: Plan | None
     facts_injected: int
     facts_text: int
@@ -163,13 +164,13 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
     if mode == "inject":
         plan_segments = [Segment.of(PREAMBLE, 0, rt.layout.preamble_ids)]
         plan_segments += [
-            Segment.of(lead_name(f.id), start, ids, f.kv_lead_checksum)
+            Segment.of(lead_blob(f.id), start, ids, f.kv_lead_checksum)
             if i == 0 and options.lead and f.kv_lead_checksum else
-            Segment.of(str(f.id), start, ids, f.kv_checksum)
+            Segment.of(fact_blob(f.id), start, ids, f.kv_checksum)
             for i, (f, ids, (start, _)) in enumerate(zip(
                 injectable, injected_segments, prompt.fact_spans, strict=False))]
         plan = Plan(rt.fingerprint, plan_segments, options.key_scales)
-        M.facts.labels("lead").inc(sum(s.name.endswith(LEAD) for s in plan_segments))
+        M.facts.labels("lead").inc(sum(s.name.lead for s in plan_segments))
     injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
     KV_METRICS.stage_seconds.labels("compose").observe(time.perf_counter() - composing)
     fact_ids = [f.id for f in injectable + as_text]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from cachetools import TTLCache
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from inferscale.contracts.blob_name import BlobName
 from inferscale.contracts.plan import PLAN_KEY, Plan, PlanError, Segment, verify
 from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.kv.store import KVStore
@@ -80,7 +81,7 @@ class ConnectorScheduler:
         self._allocated: dict[str, LoadSpec] = {}  # asynchronous claims given their blocks
         self._claimed: dict[str, int] = {}  # request -> injected tokens, until it finishes
         self._refused: set[str] = set()  # asynchronous loads that failed: never claimed again
-        self._present: TTLCache[str, bool] = TTLCache(PRESENT_MAX, PRESENT_TTL_S)
+        self._present: TTLCache[BlobName, bool] = TTLCache(PRESENT_MAX, PRESENT_TTL_S)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """vLLM's ``get_num_new_matched_tokens``: how many tokens after the local prefix hit
@@ -125,7 +126,7 @@ class ConnectorScheduler:
             key_scales=plan.key_scales, asynchronous=self.asynchronous)
         return end - num_computed_tokens, self.asynchronous
 
-    def _blob_present(self, name: str) -> bool:
+    def _blob_present(self, name: BlobName) -> bool:
         """Whether the durable blob ``name`` exists; positives are remembered (see above)."""
         if name not in self._present and self.store.exists(name):
             self._present[name] = True

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from inferscale.contracts.blob_name import PREAMBLE, BlobName
 from inferscale.contracts.kv_format import KVPiece, PieceLike
-from inferscale.contracts.plan import PREAMBLE
 from inferscale.kv.chain import SKIP, ChainWriter, LayerSlots
 from inferscale.kv.fused import FusedCpuWriter, FusedTritonWriter, first_exact, fused_writers
 from inferscale.kv.key_scales import KeyScales, key_factor
@@ -41,7 +41,7 @@ log = logging.getLogger("inferscale.serving.connector")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 NULL_BLOCK = 0  # vLLM's null block: the id a group's table holds where it keeps no block
 _UNDECIDED = object()
-Piece = tuple[KVPiece, str]  # K/V as stored (raw rows or codes), its segment's name
+Piece = tuple[KVPiece, BlobName]  # K/V as stored (raw rows or codes), its segment's blob
 
 
 class ConnectorWorker:

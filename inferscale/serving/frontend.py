@@ -9,8 +9,8 @@ and a ``cache_salt`` keyed by the server's secret and the facts served. Requests
 owner pass through untouched (client ``kv_transfer_params`` refused on every route). Every
 request, of any route, first passes the browser rules (``browser_guard.py``); memory requests
 and engine-control routes are admitted by ``access.py``. At start-up it adds the memory API's
-routes (``memory_api.py``) to vLLM's app, served by ``memory_service.py``; its ASGI plumbing
-is ``asgi.py``.
+routes (``memory_api.py``, and Mem0's: ``mem0_api.py``) to vLLM's app, served by
+``memory_service.py``; its ASGI plumbing is ``asgi.py``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ from inferscale.serving.guards import (
     read_body,
     refuse_reserved_form_fields,
 )
-from inferscale.serving.memory_api import build_router
+from inferscale.serving.mem0_api import token_as_bearer
+from inferscale.serving.memory_api import serve_memory
 from inferscale.serving.memory_service import EngineMemory
 from inferscale.serving.metrics import FRONTEND_METRICS as M
 from inferscale.serving.request_options import MemoryOptions, owner_and_options
@@ -98,8 +99,9 @@ class MemoryFrontend:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan" and not self._bound:
             self._bound = True
-            scope["app"].include_router(build_router(self.memory))
+            serve_memory(scope["app"], self.memory)
             self.memory.bind(scope["app"])
+        scope = token_as_bearer(scope)
         if scope["type"] in ("http", "websocket"):
             try:
                 check_request(self.settings, scope.get("method", "GET"), scope["path"],

@@ -1,56 +1,66 @@
 """The memory API: an owner's facts listed, read, searched, edited, deleted and their history;
 turns added (to the turn topic: the worker path stays the one way in); an owner forgotten.
 
-Routes live in vLLM's own FastAPI app (``MemoryFrontend`` adds the router at start-up), so
-they are in the server's ``/openapi.json``; ``GET /memory`` serves the memory inspector page
+Routes live in vLLM's own FastAPI app (``serve_memory`` adds them at start-up, with Mem0's
+dialect of them, ``mem0_api.py``), so they are in the server's ``/openapi.json`` with their
+response models (``memory_models.py``); ``GET /memory`` serves the memory inspector page
 (``static/inspector.html``, with a content security policy), which calls them. Every route is
-admitted by ``access.py`` as chat requests are: a key that may act for the owner (and, for a
-scoped key, in the scope read or the fact's own scope; for changes, a key that may write); the
-browser rules (``browser_guard.py``) ran before any route. An edit or delete returns once the
-database holds it: from then on no server serves the old text (retrieval reads only live facts
-and every server checks the owner's memory version per request) nor the old KV (a plan names
-only live facts); the old blob leaves the durable tier and this server's memory tiers before
-the response, every other server's through an invalidation record (a blob an encode records
-after the edit is removed by that worker: ``db/encode_queue.record_encoded``). Listing and
-search take a scope filter (``agent_id``, ``run_id``: ``contracts/scope.py``), as chat requests
-do; turns and operator facts may carry a scope.
+admitted (``memory_ops.Admission``: ``access.py``) as chat requests are: a key that may act for
+the owner (and, for a scoped key, in the scope read or the fact's own scope; for changes, a
+key that may write); the browser rules (``browser_guard.py``) ran before any route. What an
+edit or delete guarantees: ``memory_ops.py``. Listing, search and delete take a scope
+(``agent_id``, ``run_id``: ``contracts/scope.py``) and a filter (``contracts/filters.py``),
+as chat requests do; facts carry bounded metadata (``contracts/metadata.py``).
 """
 
-import asyncio
 import base64
 import binascii
 import importlib.resources
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Protocol
+import json
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Path, Query
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inferscale.contracts.events import TurnEvent
+from inferscale.contracts.filters import EVERYTHING, Node
+from inferscale.contracts.metadata import Metadata
 from inferscale.contracts.scope import (
     ANY,
-    MAX_SCOPE_CHARS,
-    SCOPE_PATTERN,
     OwnerId,
     Scope,
     ScopeValue,
-    is_owner_id,
 )
-from inferscale.core.settings import KeyGrant, Settings
-from inferscale.db.memory_edits import FactRecord
-from inferscale.serving.access import Access, holds
+from inferscale.db import memory_edits
+from inferscale.serving import mem0_api
+from inferscale.serving import memory_ops as ops
+from inferscale.serving.access import holds
 from inferscale.serving.browser_guard import page_headers
-from inferscale.serving.compose import MemoryRuntime
-from inferscale.serving.guards import FrontendError
+from inferscale.serving.memory_models import (
+    ERRORS,
+    Deleted,
+    DeletedMany,
+    EditedFact,
+    Fact,
+    FactPage,
+    Forgotten,
+    Hits,
+    TurnsAdded,
+    Versions,
+)
+from inferscale.serving.memory_ops import Admission, Service
+from inferscale.serving.retrieval import retrieve
 
 MAX_PAGE = 500
 MAX_FACT_CHARS = 4000
 MAX_SEARCH_K = 100
 MAX_TURNS = 1000
+MAX_DELETE = 1000
+MAX_FILTER_CHARS = 16384
 FactId = Annotated[int, Path(ge=1, le=2**63 - 1)]  # a bigint
-ScopeQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_SCOPE_CHARS,
-                                         pattern=SCOPE_PATTERN)]
+FilterQuery = Annotated[str | None, Query(max_length=MAX_FILTER_CHARS,
+                                          description="a filter (contracts/filters.py) as JSON")]
 API = "/v1/memory"
 INSPECTOR_PATH = "/memory"  # outside /v1: a browser opens it without a bearer header
 INSPECTOR_HTML = (importlib.resources.files("inferscale.serving") / "static" / "inspector.html"
@@ -58,32 +68,7 @@ INSPECTOR_HTML = (importlib.resources.files("inferscale.serving") / "static" / "
 INSPECTOR_HEADERS = page_headers(
     INSPECTOR_HTML.split("<script>", 1)[1].split("</script>", 1)[0])
 
-
-class MemoryService(Protocol):
-    """What the routes need of the server they run in."""
-
-    settings: Settings
-    access: Access
-
-    async def runtime(self) -> MemoryRuntime: ...
-
-    async def drop_blobs(self, user_id: str, locations: list[str]) -> int:
-        """Remove retired facts' blobs from the durable tier and every server's memory tiers;
-        returns how many this server's tiers held."""
-        ...
-
-    async def forget(self, user_id: str) -> dict[str, Any]: ...
-
-    async def memory_tiers(self, locations: list[str]) -> list[list[str]] | None:
-        """For each blob, this server's memory tiers that hold it (None: not known now)."""
-        ...
-
-
-class FactText(BaseModel):
-    """A fact's new text."""
-
-    model_config = ConfigDict(extra="forbid")
-    text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
+router = APIRouter(tags=["memory"], responses=ERRORS)
 
 
 class Scoped(BaseModel):
@@ -98,17 +83,49 @@ class Scoped(BaseModel):
         return Scope(self.agent_id, self.run_id)
 
 
-class NewFactBody(FactText, Scoped):
-    """A fact an operator adds directly (no source turn), in a scope."""
+class Filtered(Scoped):
+    """A scope and a filter (``contracts/filters.py``; None: every fact of the scope)."""
 
+    filters: dict[str, Any] | None = None
+
+    @property
+    def where(self) -> Node:
+        return ops.parsed(self.filters)
+
+
+class NewFactBody(Scoped):
+    """A fact an operator adds directly (no source turn), in a scope, with metadata."""
+
+    text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
     conversation_id: str = Field(default="operator", min_length=1, max_length=256)
+    metadata: Metadata | None = None
 
 
-class SearchBody(Scoped):
-    """A query, retrieved as a chat request of the owner would be (in the scope given)."""
+class EditBody(BaseModel):
+    """A fact's new text and / or metadata (at least one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = Field(default=None, min_length=1, max_length=MAX_FACT_CHARS)
+    metadata: Metadata | None = None
+
+    @model_validator(mode="after")
+    def _something(self) -> "EditBody":
+        if self.text is None and self.metadata is None:
+            raise ValueError("an edit sets text, metadata or both")
+        return self
+
+
+class SearchBody(Filtered):
+    """A query, retrieved as a chat request of the owner would be (in the scope and filter)."""
 
     query: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
     k: int = Field(default=10, ge=1, le=MAX_SEARCH_K)
+
+
+class DeleteBody(Filtered):
+    """Which facts to delete: a scope and / or a filter (one of them at least)."""
+
+    limit: int = Field(default=MAX_DELETE, ge=1, le=MAX_DELETE)
 
 
 class ForgetBody(BaseModel):
@@ -143,206 +160,166 @@ def _after(cursor: str | None) -> int:
     return after
 
 
-def build_router(service: MemoryService) -> APIRouter:
-    """The memory API's routes, served by ``service``'s server."""
-    router = APIRouter(tags=["memory"])
+@router.get(INSPECTOR_PATH, include_in_schema=False)
+async def inspector() -> HTMLResponse:
+    """The memory inspector page (static; it calls the routes below with its key)."""
+    return HTMLResponse(INSPECTOR_HTML, headers=INSPECTOR_HEADERS)
 
-    @router.get(INSPECTOR_PATH, include_in_schema=False)
-    async def inspector() -> HTMLResponse:
-        """The memory inspector page (static; it calls the routes below with its key)."""
-        return HTMLResponse(INSPECTOR_HTML, headers=INSPECTOR_HEADERS)
 
-    def admit(request: Request, user_id: str, scope: Scope | None = ANY,
-              write: bool = False) -> KeyGrant:
-        """The caller's grant, if it may act for the owner in ``scope`` (None: checked against
-        each fact touched); else the refusal."""
-        if not is_owner_id(user_id):
-            raise HTTPException(400, "owner ids are 1-256 characters, no control characters")
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        client = request.client.host if request.client else None
-        try:
-            return service.access.authorize(headers, user_id, scope=scope, write=write,
-                                            client=client)
-        except FrontendError as exc:
-            raise HTTPException(exc.status, exc.message, exc.headers or None) from None
+@router.get(API + "/users/{user_id}/facts", summary="List an owner's live facts",
+            response_model=FactPage)
+async def list_facts(user_id: str, service: Service, caller: Admission,
+                     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+                     cursor: Annotated[str | None, Query(max_length=200)] = None,
+                     agent_id: ops.ScopeQuery = None, run_id: ops.ScopeQuery = None,
+                     filters: FilterQuery = None) -> dict[str, Any]:
+    """Live facts (of the agent / run given, passing the filter) in id order with provenance
+    and KV status; ``next_cursor`` continues."""
+    try:
+        where = ops.parsed(None if filters is None else json.loads(filters))
+    except (ValueError, RecursionError):
+        raise HTTPException(400, "filters: not JSON") from None
+    scope = Scope(agent_id, run_id)
+    caller.admit(user_id, ops.named_scope(scope, where))
+    after = _after(cursor)
+    records = await ops.in_transaction(service, lambda conn, model: memory_edits.list_facts(
+        conn, user_id, model, after, limit, scope, where))
+    return {"facts": await ops.shown(service, records),
+            "next_cursor": _cursor(records[-1].id) if len(records) == limit else None}
 
-    def held(grant: KeyGrant, record: FactRecord | None) -> FactRecord | None:
-        """The fact where the key may act in its scope (else as if it did not exist)."""
-        if record is None or not holds(grant, Scope(record.agent_id, record.run_id)):
-            return None
-        return record
 
-    async def in_transaction(work: Callable[[Any, str], Awaitable[Any]]) -> Any:
-        """``work(conn, the served model's fingerprint)`` in one transaction."""
-        rt = await service.runtime()
-        async with rt.engine.begin() as conn:
-            return await work(conn, rt.fingerprint)
-
-    async def live_fact(grant: KeyGrant, user_id: str, fact_id: int) -> FactRecord:
-        from inferscale.db.memory_edits import get_fact as read
-
-        record = held(grant, await in_transaction(
-            lambda conn, model: read(conn, user_id, model, fact_id)))
-        if record is None:
-            raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
-        return record
-
-    async def shown(records: list[FactRecord]) -> list[dict[str, Any]]:
-        """The records as JSON, each with the tiers holding its KV on this server."""
-        held_in = await service.memory_tiers([r.kv_location for r in records if r.kv_location])
-        tiers = iter(held_in or [])
-        return [r.as_json(next(tiers, None) if r.kv_location else None) for r in records]
-
-    async def embed(text: str) -> list[float]:
-        rt = await service.runtime()
-        vector = (await asyncio.get_running_loop().run_in_executor(
-            None, rt.embedder.encode, [text]))[0]
-        return [float(x) for x in vector]
-
-    @router.get(API + "/users/{user_id}/facts", summary="List an owner's live facts")
-    async def list_facts(user_id: str, request: Request,
-                         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
-                         cursor: Annotated[str | None, Query(max_length=200)] = None,
-                         agent_id: ScopeQuery = None, run_id: ScopeQuery = None
-                         ) -> dict[str, Any]:
-        """Live facts (of the agent / run given) in id order with provenance and KV status;
-        ``next_cursor`` continues."""
-        from inferscale.db.memory_edits import list_facts as read
-
-        scope = Scope(agent_id, run_id)
-        admit(request, user_id, scope)
-        records = await in_transaction(
-            lambda conn, model: read(conn, user_id, model, _after(cursor), limit, scope))
-        return {"facts": await shown(records),
-                "next_cursor": _cursor(records[-1].id) if len(records) == limit else None}
-
-    @router.get(API + "/users/{user_id}/facts/{fact_id}", summary="One live fact")
-    async def get_fact(user_id: str, fact_id: FactId, request: Request) -> dict[str, Any]:
-        grant = admit(request, user_id, None)
-        return (await shown([await live_fact(grant, user_id, fact_id)]))[0]
-
-    @router.get(API + "/users/{user_id}/facts/{fact_id}/history", summary="Every version of a fact")
-    async def history(user_id: str, fact_id: FactId, request: Request) -> dict[str, Any]:
-        """The fact's versions, oldest first, each with the turns it came from."""
-        from inferscale.db.memory_edits import fact_history
-
-        grant = admit(request, user_id, None)
-        versions = await in_transaction(
-            lambda conn, model: fact_history(conn, user_id, model, fact_id))
-        if not versions or held(grant, versions[-1]) is None:
-            raise HTTPException(404, f"{user_id!r} has no fact {fact_id}")
-        return {"versions": await shown(versions)}
-
-    @router.post(API + "/users/{user_id}/facts", status_code=201, summary="Add a fact (operators)")
-    async def add_fact(user_id: str, body: NewFactBody, request: Request) -> dict[str, Any]:
-        """A fact given directly, with no source turn: admin keys only. Served as text at once,
-        injected once a worker encodes it."""
-        from datetime import UTC, datetime
-
-        from inferscale.db.memory_edits import add_fact as store
-
-        admit(request, user_id, body.scope, write=True)
-        try:
-            service.access.authorize_control({k.lower(): v for k, v in request.headers.items()})
-        except FrontendError as exc:
-            raise HTTPException(exc.status, exc.message) from None
-        embedding = await embed(body.text)
-        record = await in_transaction(lambda conn, model: store(
-            conn, user_id, model, body.conversation_id, body.text, datetime.now(UTC), embedding,
-            body.scope))
-        return dict(record.as_json())
-
-    @router.patch(API + "/users/{user_id}/facts/{fact_id}", summary="Edit a fact's text")
-    async def edit(user_id: str, fact_id: FactId, body: FactText, request: Request
+@router.get(API + "/users/{user_id}/facts/{fact_id}", summary="One live fact",
+            response_model=Fact)
+async def get_fact(user_id: str, fact_id: FactId, service: Service, caller: Admission
                    ) -> dict[str, Any]:
-        """A new version of the fact replaces it (served as text until it is encoded); the old
-        version is never served again by any server once this returns."""
-        from inferscale.db.memory_edits import edit_fact
+    grant = caller.admit(user_id, None)
+    return (await ops.shown(service, [await ops.live_fact(service, grant, user_id, fact_id)]))[0]
 
-        await live_fact(admit(request, user_id, None, write=True), user_id, fact_id)
-        embedding = await embed(body.text)
-        edited = await in_transaction(
-            lambda conn, model: edit_fact(conn, user_id, model, fact_id, body.text, embedding))
-        if edited is None:
-            raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
-        record, locations = edited
-        await service.drop_blobs(user_id, locations)
-        return {**record.as_json(), "replaces": fact_id}
 
-    @router.delete(API + "/users/{user_id}/facts/{fact_id}", summary="Delete one fact")
-    async def delete(user_id: str, fact_id: FactId, request: Request) -> dict[str, Any]:
-        from inferscale.db.memory_edits import delete_fact
+@router.get(API + "/users/{user_id}/facts/{fact_id}/history",
+            summary="Every version of a fact", response_model=Versions)
+async def history(user_id: str, fact_id: FactId, service: Service, caller: Admission
+                  ) -> dict[str, Any]:
+    """The fact's versions, oldest first, each with the turns it came from."""
+    grant = caller.admit(user_id, None)
+    versions = await ops.in_transaction(service, lambda conn, model: memory_edits.fact_history(
+        conn, user_id, model, fact_id))
+    if not versions or ops.visible(grant, versions[-1]) is None:
+        raise HTTPException(404, f"{user_id!r} has no fact {fact_id}")
+    return {"versions": await ops.shown(service, versions)}
 
-        await live_fact(admit(request, user_id, None, write=True), user_id, fact_id)
-        deleted, locations = await in_transaction(
-            lambda conn, _: delete_fact(conn, user_id, fact_id))
-        if not deleted:
-            raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
-        await service.drop_blobs(user_id, locations)
-        return {"id": fact_id, "deleted": True}
 
-    @router.post(API + "/users/{user_id}/search", summary="Search as the server retrieves")
-    async def search(user_id: str, body: SearchBody, request: Request) -> dict[str, Any]:
-        """The owner's k live facts (of the agent / run given) nearest to the query, with their
-        cosine similarity."""
-        from inferscale.serving.retrieval import retrieve
+@router.post(API + "/users/{user_id}/facts", status_code=201,
+             summary="Add a fact (operators)", response_model=Fact)
+async def add_fact(user_id: str, body: NewFactBody, service: Service, caller: Admission
+                   ) -> dict[str, Any]:
+    """A fact given directly, with no source turn: admin keys only. Served as text at once,
+    injected once a worker encodes it."""
+    caller.admit(user_id, body.scope, write=True)
+    caller.admit_control()
+    record = await ops.add_fact(service, user_id, body.text, body.scope, body.conversation_id,
+                                body.metadata)
+    return record.as_json()
 
-        admit(request, user_id, body.scope)
-        rt = await service.runtime()
-        hits = await retrieve(rt.index, rt.embedder, user_id, body.query, body.k, body.scope)
-        return {"hits": [{"id": h.id, "text": h.text, "score": 1.0 - h.distance,
-                          "kv_encoded": h.kv_location is not None} for h in hits]}
 
-    @router.post(API + "/users/{user_id}/turns", status_code=202, summary="Add conversation turns")
-    async def add_turns(user_id: str, body: TurnsBody, request: Request) -> dict[str, Any]:
-        """Published to the turn topic (keyed by the owner, so in order); each turn is
-        accepted or refused with the reason. Facts follow once a worker extracts them."""
-        from inferscale.core.endpoints import InfraError, resolve_kafka_bootstrap
-        from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
+@router.patch(API + "/users/{user_id}/facts/{fact_id}", summary="Edit a fact",
+              response_model=EditedFact)
+async def edit(user_id: str, fact_id: FactId, body: EditBody, service: Service,
+               caller: Admission) -> dict[str, Any]:
+    """A new version of the fact (new text and / or metadata) replaces it (served as text until
+    it is encoded); the old version is never served again by any server once this returns."""
+    grant = caller.admit(user_id, None, write=True)
+    record = await ops.edit_fact(service, grant, user_id, fact_id, body.text, body.metadata)
+    return {**record.as_json(), "replaces": fact_id}
 
-        grant = admit(request, user_id, None, write=True)
-        accepted: list[TurnEvent] = []
-        refused = []
-        for i, raw in enumerate(body.turns):
-            if raw.get("user_id", user_id) != user_id:
-                refused.append({"index": i, "reason": "user_id differs from the path's"})
-                continue
-            scoped = {name: value for name, value in body.scope.items()
-                      if raw.get(name) is None}
-            try:
-                turn = TurnEvent.model_validate({**raw, **scoped, "user_id": user_id})
-            except ValidationError as exc:
-                refused.append({"index": i, "reason": exc.errors()[0]["msg"]})
-                continue
-            if not holds(grant, turn.scope):
-                refused.append({"index": i, "reason": "this API key may not write that scope"})
-                continue
-            if len(turn.text.encode()) > service.settings.max_text_bytes:
-                refused.append({"index": i, "reason": "text longer than max_text_bytes"})
-                continue
-            accepted.append(turn)
-        if accepted:
-            try:
-                bootstrap = resolve_kafka_bootstrap(service.settings)
-            except InfraError as exc:
-                raise HTTPException(503, f"no turn topic to publish to: {exc}") from None
-            security = kafka_security(service.settings)
-            await ensure_topics(bootstrap, [service.settings.turns_topic], security=security)
-            await publish_turns(bootstrap, service.settings.turns_topic, accepted,
-                                progress=False, security=security)
-        return {"accepted": [t.turn_id for t in accepted], "refused": refused}
 
-    @router.delete(API + "/users/{user_id}", summary="Forget an owner")
-    async def forget(user_id: str, request: Request) -> dict[str, Any]:
-        """Turns, facts, vectors and KV of the owner, from every tier and server, with a
-        tombstone (``POST /v1/memory/forget`` does the same); keys limited to some agents or
-        runs may not."""
-        admit(request, user_id, ANY, write=True)
-        return await service.forget(user_id)
+@router.delete(API + "/users/{user_id}/facts/{fact_id}", summary="Delete one fact",
+               response_model=Deleted)
+async def delete(user_id: str, fact_id: FactId, service: Service, caller: Admission
+                 ) -> dict[str, Any]:
+    grant = caller.admit(user_id, None, write=True)
+    await ops.delete_fact(service, grant, user_id, fact_id)
+    return {"id": fact_id, "deleted": True}
 
-    @router.post(API + "/forget", summary="Forget an owner (the owner in the body)")
-    async def forget_in_body(body: ForgetBody, request: Request) -> dict[str, Any]:
-        admit(request, body.user, ANY, write=True)
-        return await service.forget(body.user)
 
-    return router
+@router.post(API + "/users/{user_id}/facts/delete", summary="Delete the facts a filter selects",
+             response_model=DeletedMany)
+async def delete_many(user_id: str, body: DeleteBody, service: Service, caller: Admission
+                      ) -> dict[str, Any]:
+    """The owner's live facts of the scope passing the filter (at most ``limit``, lowest ids
+    first), as one delete each; a scope or a filter is required (forget deletes everything)."""
+    where = body.where
+    if body.scope == ANY and where == EVERYTHING:
+        raise HTTPException(400, "name a scope or a filter (DELETE /v1/memory/users/{user} "
+                                 "forgets the owner)")
+    scope = ops.named_scope(body.scope, where)
+    caller.admit(user_id, scope, write=True)
+    return {"deleted": await ops.delete_where(service, user_id, ops.within(body.scope, where),
+                                              body.limit)}
+
+
+@router.post(API + "/users/{user_id}/search", summary="Search as the server retrieves",
+             response_model=Hits)
+async def search(user_id: str, body: SearchBody, service: Service, caller: Admission
+                 ) -> dict[str, Any]:
+    """The owner's k live facts (of the agent / run given, passing the filter) nearest to the
+    query, with their cosine similarity."""
+    where = body.where
+    caller.admit(user_id, ops.named_scope(body.scope, where))
+    rt = await service.runtime()
+    hits = await retrieve(rt.index, rt.embedder, user_id, body.query, body.k, body.scope, where)
+    return {"hits": [{"id": h.id, "text": h.text, "score": 1.0 - h.distance,
+                      "kv_encoded": h.kv_location is not None} for h in hits]}
+
+
+@router.post(API + "/users/{user_id}/turns", status_code=202, summary="Add conversation turns",
+             response_model=TurnsAdded)
+async def add_turns(user_id: str, body: TurnsBody, service: Service, caller: Admission
+                    ) -> dict[str, Any]:
+    """Published to the turn topic (keyed by the owner, so in order); each turn is accepted or
+    refused with the reason. Facts follow once a worker extracts them."""
+    grant = caller.admit(user_id, None, write=True)
+    accepted: list[TurnEvent] = []
+    refused = []
+    for i, raw in enumerate(body.turns):
+        if raw.get("user_id", user_id) != user_id:
+            refused.append({"index": i, "reason": "user_id differs from the path's"})
+            continue
+        scoped = {name: value for name, value in body.scope.items() if raw.get(name) is None}
+        try:
+            turn = TurnEvent.model_validate({**raw, **scoped, "user_id": user_id})
+        except ValidationError as exc:
+            refused.append({"index": i, "reason": exc.errors()[0]["msg"]})
+            continue
+        if not holds(grant, turn.scope):
+            refused.append({"index": i, "reason": "this API key may not write that scope"})
+            continue
+        if len(turn.text.encode()) > service.settings.max_text_bytes:
+            refused.append({"index": i, "reason": "text longer than max_text_bytes"})
+            continue
+        accepted.append(turn)
+    await ops.publish_turns(service, accepted)
+    return {"accepted": [t.turn_id for t in accepted], "refused": refused}
+
+
+@router.delete(API + "/users/{user_id}", summary="Forget an owner", response_model=Forgotten)
+async def forget(user_id: str, service: Service, caller: Admission) -> dict[str, Any]:
+    """Turns, facts, vectors and KV of the owner, from every tier and server, with a tombstone
+    (``POST /v1/memory/forget`` does the same); keys limited to some agents or runs may not."""
+    caller.admit(user_id, ANY, write=True)
+    return await service.forget(user_id)
+
+
+@router.post(API + "/forget", summary="Forget an owner (the owner in the body)",
+             response_model=Forgotten)
+async def forget_in_body(body: ForgetBody, service: Service, caller: Admission
+                         ) -> dict[str, Any]:
+    caller.admit(body.user, ANY, write=True)
+    return await service.forget(body.user)
+
+
+def serve_memory(app: FastAPI, service: ops.MemoryService) -> None:
+    """Serve the memory API (both dialects) on ``app`` with ``service``."""
+    setattr(app.state, ops.STATE_KEY, service)
+    app.include_router(router)
+    app.include_router(mem0_api.router)

@@ -111,8 +111,8 @@ class EngineMemory:
     async def forget(self, user_id: str) -> dict:
         """Forget a user: rows (with a tombstone), durable blobs, this server's memory tiers
         now, every other server's through an invalidation (``_purge``: no prefix-cache reset)."""
-        from inferscale.pipeline.forget import forget_user
         from inferscale.pipeline.invalidation import publish_invalidation
+        from inferscale.serving.forget import forget_user
 
         rt = await self.runtime()
         forgotten = await forget_user(rt.engine, rt.store, user_id)

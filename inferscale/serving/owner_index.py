@@ -5,8 +5,9 @@ the hits' rows in one statement. Where it moved and nothing was retired since, t
 fetches the facts stored since (ids above the last it holds; the counters prove none was
 missed); else it re-reads the owner's live ids and fetches only the embeddings it lacks (a
 fact's embedding never changes); then it ranks again. Ranking is one matrix-vector product
-over the owner's unit vectors (a scoped search ranks the rows of its scope: a fact's scope, like
-its embedding, never changes); rows are read by id, live only. Owners are kept within a byte
+over the owner's unit vectors (a scoped or filtered search ranks the rows of its scope passing
+its filter, ``contracts/filters.py``'s Python path: a fact's scope, metadata and time, like its
+embedding, never change); rows are read by id, live only. Owners are kept within a byte
 budget, least recently used first out; an owner with more facts than the whole budget holds
 is ranked by Postgres instead (exact, slower: ~2.5 us per fact).
 """
@@ -14,14 +15,15 @@ is ranked by Postgres instead (exact, slower: ~2.5 us per fact).
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
+from cachetools import LRUCache
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from inferscale.contracts.filters import EVERYTHING, Node, Subject, matches
 from inferscale.contracts.scope import ANY, SCOPE_FIELDS, Scope
 from inferscale.db.reads import (
     MemoryDelta,
@@ -57,8 +59,9 @@ def decode_vectors(blobs: list[bytes]) -> np.ndarray:
 @dataclass(frozen=True)
 class OwnerVectors:
     """One owner's live facts at one memory version: ids ascending, their unit vectors in the
-    first rows of ``buffer`` (rows past them are room for facts stored later) and their scopes
-    (one object array per field of ``SCOPE_FIELDS``, None where unset)."""
+    first rows of ``buffer`` (rows past them are room for facts stored later), their scopes
+    (one object array per field of ``SCOPE_FIELDS``, None where unset) and what filters read of
+    each (``subjects``)."""
 
     version: int  # -1: read while it changed; reloaded on the next request
     inserted: int  # the owner's counters when read (``MemoryDelta``)
@@ -66,6 +69,7 @@ class OwnerVectors:
     ids: np.ndarray  # int64, (n,)
     buffer: np.ndarray  # float32, (capacity >= n, dim)
     scopes: tuple[np.ndarray, ...]  # object, (n,) each
+    subjects: np.ndarray  # object, (n,): a filters.Subject per fact
 
     @property
     def matrix(self) -> np.ndarray:
@@ -75,15 +79,19 @@ class OwnerVectors:
     def nbytes(self) -> int:
         return self.ids.nbytes + self.buffer.nbytes + sum(s.nbytes for s in self.scopes)
 
-    def nearest(self, query: np.ndarray, n: int, scope: Scope = ANY
+    def nearest(self, query: np.ndarray, n: int, scope: Scope = ANY, where: Node = EVERYTHING
                 ) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, cosine distances) of the n nearest rows in ``scope``, nearest first, ties by
-        id."""
+        """(ids, cosine distances) of the n nearest rows in ``scope`` passing ``where``,
+        nearest first, ties by id."""
         ids, matrix = self.ids, self.matrix
         if scope != ANY:
             fields = dict(zip(SCOPE_FIELDS, self.scopes, strict=True))
             rows = np.logical_and.reduce([fields[name] == value for name, value in scope.items()])
             ids, matrix = ids[rows], matrix[rows]
+        if where != EVERYTHING:
+            subjects = self.subjects if scope == ANY else self.subjects[rows]
+            passed = np.fromiter((matches(where, s) for s in subjects), bool, len(subjects))
+            ids, matrix = ids[passed], matrix[passed]
         if n <= 0 or not len(ids):
             return ids[:0], np.zeros(0, np.float32)
         scores = matrix @ query
@@ -101,6 +109,22 @@ def _unit(rows: np.ndarray) -> np.ndarray:
     return rows / np.where(norms > 0, norms, 1)
 
 
+class OwnerLRU(LRUCache[str, OwnerVectors]):
+    """Owners' vectors within ``max_bytes``, least recently used out first. An owner admitted
+    by its rows (``live x ROW_BYTES`` within the budget) whose spare rows take it past the
+    budget counts as the whole budget: it is held alone. Each owner's reload lock leaves with
+    it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(maxsize=max_bytes, getsizeof=lambda v: min(v.nbytes, max_bytes))
+        self.locks: dict[str, asyncio.Lock] = {}
+
+    def popitem(self) -> tuple[str, OwnerVectors]:
+        user_id, owner = super().popitem()
+        self.locks.pop(user_id, None)
+        return user_id, owner
+
+
 class OwnerIndex:
     """Per-owner embedding matrices kept current against Postgres (one per server process);
     hits come with their KV for the model ``fingerprint``."""
@@ -109,20 +133,20 @@ class OwnerIndex:
         self.engine = engine
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
-        self._owners: OrderedDict[str, OwnerVectors] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._owners = OwnerLRU(max_bytes)
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self._owners.values())
+        return int(self._owners.currsize)
 
     def __contains__(self, user_id: object) -> bool:
         """Whether this owner's vectors are held now (else the next search loads them)."""
         return user_id in self._owners
 
-    async def search(self, user_id: str, query: np.ndarray, k: int, scope: Scope = ANY
-                     ) -> list[RetrievedFact]:
-        """The owner's k live facts in ``scope`` nearest to ``query``, nearest first (exact).
+    async def search(self, user_id: str, query: np.ndarray, k: int, scope: Scope = ANY,
+                     where: Node = EVERYTHING) -> list[RetrievedFact]:
+        """The owner's k live facts in ``scope`` passing ``where`` nearest to ``query``,
+        nearest first (exact).
         Ranks the held
         vectors, then reads the hits' rows with the memory version in one statement; where the
         version moved, catches up and ranks again (under a stream of changes, after
@@ -130,17 +154,15 @@ class OwnerIndex:
         if k <= 0:
             return []
         query = _unit(np.asarray(query, np.float32))
-        owner = self._owners.get(user_id)
+        owner = self._owners.get(user_id)  # recently used
         if owner is None:
             owner = await self.current(user_id)
-        else:
-            self._owners.move_to_end(user_id)  # recently used
         for _ in range(CATCH_UPS):
             if owner is None:  # larger than the budget: Postgres ranks them
                 async with self._connect() as conn:
                     return await top_k_facts(conn, user_id, self.fingerprint, query.tolist(), k,
-                                             scope)
-            ids, distances = owner.nearest(query, k + SLACK, scope)
+                                             scope, where)
+            ids, distances = owner.nearest(query, k + SLACK, scope, where)
             async with self._connect() as conn:
                 version, rows = await live_facts(conn, user_id, self.fingerprint, ids.tolist())
             if version == owner.version and len(rows) == len(ids):
@@ -161,13 +183,12 @@ class OwnerIndex:
             return None
         cached = self._owners.get(user_id)
         if cached is not None and cached.version == version:
-            self._owners.move_to_end(user_id)
             return cached
-        async with self._locks.setdefault(user_id, asyncio.Lock()):
+        async with self._owners.locks.setdefault(user_id, asyncio.Lock()):
             cached = self._owners.get(user_id)  # a concurrent reload may have done it
             if cached is None or cached.version != version:
                 cached = await self._reload(user_id, cached)
-                self._keep(user_id, cached)
+                self._owners[user_id] = cached
         return cached
 
     async def _reload(self, user_id: str, cached: OwnerVectors | None) -> OwnerVectors:
@@ -191,15 +212,10 @@ class OwnerIndex:
         loop = asyncio.get_running_loop()
         if appending:
             assert cached is not None  # a delta to append is read only against a cached owner
-            return await loop.run_in_executor(None, _append, cached, delta, fetched)
-        return await loop.run_in_executor(None, _rebuild, cached, delta, fetched)
-
-    def _keep(self, user_id: str, owner: OwnerVectors) -> None:
-        self._owners[user_id] = owner
-        self._owners.move_to_end(user_id)
-        while len(self._owners) > 1 and self.nbytes > self.max_bytes:
-            evicted, _ = self._owners.popitem(last=False)
-            self._locks.pop(evicted, None)
+            return await loop.run_in_executor(None, _append, cached, delta,
+                                              _subjects(user_id, fetched), fetched)
+        return await loop.run_in_executor(None, _rebuild, cached, delta,
+                                          _subjects(user_id, fetched), fetched)
 
     @asynccontextmanager
     async def _connect(self) -> AsyncIterator[AsyncConnection]:
@@ -213,8 +229,16 @@ def _scopes(fetched: list[StoredEmbedding]) -> tuple[np.ndarray, ...]:
     return tuple(np.array([getattr(f, name) for f in fetched], object) for name in SCOPE_FIELDS)
 
 
-def _append(cached: OwnerVectors, delta: MemoryDelta, fetched: list[StoredEmbedding]
-            ) -> OwnerVectors:
+def _subjects(user_id: str, fetched: list[StoredEmbedding]) -> np.ndarray:
+    """What filters read of the fetched facts, one ``Subject`` each."""
+    subjects = np.empty(len(fetched), object)
+    subjects[:] = [Subject(user_id, f.agent_id, f.run_id, f.created_at, f.metadata)
+                   for f in fetched]
+    return subjects
+
+
+def _append(cached: OwnerVectors, delta: MemoryDelta, subjects: np.ndarray,
+            fetched: list[StoredEmbedding]) -> OwnerVectors:
     """``cached`` plus the facts stored since, in place past its rows where the buffer has room
     (searches holding ``cached`` read only its own rows)."""
     ids = np.asarray([f.id for f in fetched], np.int64)
@@ -231,20 +255,23 @@ def _append(cached: OwnerVectors, delta: MemoryDelta, fetched: list[StoredEmbedd
     scopes = tuple(np.concatenate([held, new])
                    for held, new in zip(cached.scopes, _scopes(fetched), strict=True))
     return OwnerVectors(delta.version, delta.inserted, delta.retired,
-                        np.concatenate([cached.ids, ids]), buffer, scopes)
+                        np.concatenate([cached.ids, ids]), buffer, scopes,
+                        np.concatenate([cached.subjects, subjects]))
 
 
-def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta,
+def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta, subjects: np.ndarray,
              fetched: list[StoredEmbedding]) -> OwnerVectors:
     """The rows of ``delta.ids``: those ``cached`` holds, plus the fetched embeddings."""
     fetched_ids = np.asarray([f.id for f in fetched], np.int64)
     fetched_rows = _unit(decode_vectors([f.embedding for f in fetched]))
     parts_ids, parts_rows, parts_scopes = [fetched_ids], [fetched_rows], [_scopes(fetched)]
+    parts_subjects = [subjects]
     if cached is not None and len(cached.ids):
         kept = np.isin(cached.ids, np.asarray(delta.ids, np.int64), assume_unique=True)
         parts_ids.insert(0, cached.ids[kept])
         parts_rows.insert(0, cached.matrix[kept])
         parts_scopes.insert(0, tuple(s[kept] for s in cached.scopes))
+        parts_subjects.insert(0, cached.subjects[kept])
     parts_rows = [rows for rows, ids in zip(parts_rows, parts_ids, strict=True) if len(ids)]
     ids = np.concatenate(parts_ids)
     order = np.argsort(ids, kind="stable")
@@ -254,7 +281,7 @@ def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta,
         np.take(np.concatenate(parts_rows), order, axis=0, out=buffer[:len(ids)])
     scopes = tuple(np.concatenate(field)[order] for field in zip(*parts_scopes, strict=True))
     return OwnerVectors(delta.version, delta.inserted, delta.retired, ids[order], buffer,
-                        scopes)
+                        scopes, np.concatenate(parts_subjects)[order])
 
 
 def _capacity(n: int) -> int:

@@ -30,8 +30,8 @@ KV_TRANSFER_CONFIG = {
 
 def ensure_preamble_kv(settings: Settings, model_path: Path) -> None:
     """The preamble blob must exist before the first injected request; encode it if missing."""
+    from inferscale.contracts.blob_name import PREAMBLE
     from inferscale.contracts.fingerprint import model_fingerprint
-    from inferscale.contracts.plan import PREAMBLE
     from inferscale.kv.encoder import ensure_preamble, load_encoder
     from inferscale.kv.store import KVStore
 
@@ -84,10 +84,15 @@ def memory_keys(settings: Settings, vllm_keys: list[str]) -> dict[str, KeyGrant]
 
 def server_command(settings: Settings, extra_args: list[str] | None = None
                    ) -> tuple[list[str], dict[str, str]]:
-    """The vLLM server command line and environment for these settings."""
+    """The vLLM server command line and environment for these settings (the served model's
+    calibration applied, and said)."""
+    from inferscale.contracts.fingerprint import model_fingerprint
     from inferscale.kv.key_scales import resolve_for_server
+    from inferscale.serving.calibration import calibrated
 
     model_path = resolve_model_path(settings)
+    recompute, chosen = calibrated(settings, model_fingerprint(model_path))
+    log.info("%s", chosen)
     metrics_dir = settings.data_dir / "prometheus" / str(settings.server_port)
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
@@ -104,7 +109,7 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
         "kv_dir": settings.kv_path, "plan_secret": settings.plan_secret or secrets.token_hex(32),
         "key_scales": resolve_for_server(settings.key_scales, model_path),
         "vllm_api_keys": vllm_keys,
-        "api_keys": memory_keys(settings, vllm_keys)})
+        "api_keys": memory_keys(settings, vllm_keys), **recompute})
     env = {
         **settings_env(child),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",

@@ -22,6 +22,7 @@ from sqlalchemy import insert
 
 from conftest import BUCKET
 from inferscale.contracts import blob as blob_format
+from inferscale.contracts.blob_name import PREAMBLE, BlobName, fact_blob
 from inferscale.core import failpoints
 from inferscale.core.procs import process_cpus
 from inferscale.core.settings import S3Url, Settings, settings_env
@@ -34,7 +35,8 @@ from inferscale.kv.store import (
     FingerprintMismatch,
     KVStore,
 )
-from inferscale.pipeline.forget import forget_user, sweep_orphan_blobs
+from inferscale.serving.forget import forget_user
+from workers.maintenance import sweep_orphan_blobs
 
 FP_A, FP_B = "a" * 64, "b" * 64
 HOSTILE_LOCATIONS = ["../x", "../../etc/passwd", "/etc/passwd", "a/../../x", "a//b", "a/./b",
@@ -78,10 +80,10 @@ def _everything(durable: Durable) -> list[str]:
 
 def test_round_trip_through_the_tiers(store):
     k, v = _kv()
-    assert not store.exists("42")
-    stored = store.put("42", k, v, [1, 2, 3, 4, 5], window=5)
+    assert not store.exists(fact_blob(42))
+    stored = store.put(fact_blob(42), k, v, [1, 2, 3, 4, 5], window=5)
     assert stored.location == f"{FP_A[:16]}/{stored.location.split('/')[1]}/42.safetensors"
-    assert store.exists("42") and not store.exists("43")
+    assert store.exists(fact_blob(42)) and not store.exists(fact_blob(43))
     assert list(store.durable.list()) == [stored.location]
     assert _everything(store.durable) == [f"kv/{stored.location}"]  # no temp file left
     fresh = KVStore(store.durable, FP_A, host_bytes=1 << 20)
@@ -89,7 +91,7 @@ def test_round_trip_through_the_tiers(store):
     assert torch.equal(blob.k, k) and torch.equal(blob.v, v) and blob.k.dtype == torch.bfloat16
     assert blob.token_ids == [1, 2, 3, 4, 5] and blob.window == 5
     assert fresh.get(stored.location) is blob  # served from the host tier
-    assert torch.equal(fresh.load("42", stored.checksum).v, v)
+    assert torch.equal(fresh.load(fact_blob(42), stored.checksum).v, v)
 
 
 def _counting_hashes(monkeypatch) -> list[int]:
@@ -125,7 +127,7 @@ def test_a_settled_blob_is_hashed_once_per_version_of_its_file(store, monkeypatc
     objects are hashed at every read); any change to the file is hashed again and caught."""
     monkeypatch.setattr(durable_module, "RACY_S", _short_racy_s(tmp_path))
     hashes = _counting_hashes(monkeypatch)
-    stored = store.put("8", *_kv(seed=1), [1, 2, 3, 4, 5], window=0)
+    stored = store.put(fact_blob(8), *_kv(seed=1), [1, 2, 3, 4, 5], window=0)
     _settle()
     reader = KVStore(store.durable, FP_A, host_bytes=0)  # no host tier: every get pages in
     hashes.clear()  # the write's own
@@ -145,7 +147,7 @@ def test_a_settled_blob_is_hashed_once_per_version_of_its_file(store, monkeypatc
         with pytest.raises(ChecksumMismatch):
             reader.get(stored.location)
     k, v = _kv(seed=2)
-    again = store.put("8", k, v, [1, 2, 3, 4, 5], window=0)  # replaced: a new version
+    again = store.put(fact_blob(8), k, v, [1, 2, 3, 4, 5], window=0)  # replaced: a new version
     _settle()
     hashes.clear()
     assert torch.equal(reader.get(again.location, again.checksum).k, k)
@@ -164,12 +166,12 @@ def test_a_read_never_serves_what_the_file_no_longer_holds(tmp_path_factory, ste
     try:
         store = KVStore(LocalDir(folder), FP_A, host_bytes=0)
         seed = 0
-        stored = store.put("5", *_kv(seed=seed), [1, 2, 3, 4, 5], window=0)
+        stored = store.put(fact_blob(5), *_kv(seed=seed), [1, 2, 3, 4, 5], window=0)
         path = store.durable.root / stored.location
         for step, settle in [("none", True), *steps]:  # each step: a change, a wait, a read
             if step == "rewrite":
                 seed += 1
-                store.put("5", *_kv(seed=seed), [1, 2, 3, 4, 5], window=0)
+                store.put(fact_blob(5), *_kv(seed=seed), [1, 2, 3, 4, 5], window=0)
             elif step == "flip":
                 with path.open("r+b") as f:
                     f.seek(-3, os.SEEK_END)
@@ -196,7 +198,7 @@ def test_a_read_never_serves_what_the_file_no_longer_holds(tmp_path_factory, ste
 def test_a_file_changed_within_racy_s_is_hashed_at_every_read(tmp_path, monkeypatch):
     hashes = _counting_hashes(monkeypatch)
     store = KVStore(LocalDir(tmp_path), FP_A, host_bytes=0)
-    stored = store.put("9", *_kv(), [1, 2, 3, 4, 5], window=0)
+    stored = store.put(fact_blob(9), *_kv(), [1, 2, 3, 4, 5], window=0)
     hashes.clear()  # the write's own
     for _ in range(3):
         store.get(stored.location, stored.checksum)
@@ -208,7 +210,7 @@ def test_a_file_changed_within_racy_s_is_hashed_at_every_read(tmp_path, monkeypa
 
 
 def test_damaged_foreign_and_missing_blobs_are_refused(store):
-    stored = store.put("7", *_kv(), [1, 2, 3, 4, 5], window=0)
+    stored = store.put(fact_blob(7), *_kv(), [1, 2, 3, 4, 5], window=0)
     raw = bytearray(store.durable.read(stored.location))
     raw[-3] ^= 0xFF
     store.durable.write(stored.location, bytes(raw))
@@ -217,7 +219,7 @@ def test_damaged_foreign_and_missing_blobs_are_refused(store):
     store.durable.write(stored.location, b"garbage")
     with pytest.raises(ChecksumMismatch):
         KVStore(store.durable, FP_A, host_bytes=0).get(stored.location)
-    other = store.put("8", *_kv(), [1] * 5, window=0)
+    other = store.put(fact_blob(8), *_kv(), [1] * 5, window=0)
     with pytest.raises(ChecksumMismatch):  # intact, but not the blob the caller recorded
         KVStore(store.durable, FP_A, host_bytes=0).get(other.location, "0" * 64)
     with pytest.raises(FingerprintMismatch):
@@ -225,24 +227,24 @@ def test_damaged_foreign_and_missing_blobs_are_refused(store):
     with pytest.raises(BlobMissing):
         store.get("nope/xx/1.safetensors")
     with pytest.raises(BlobMissing):
-        store.load("404")
+        store.load(fact_blob(404))
 
 
 def test_delete_removes_every_tier_and_counts_what_was_there(store):
-    kept = store.put("1", *_kv(), [1] * 5, window=0)
-    gone = store.put("2", *_kv(seed=1), [1] * 5, window=0)
+    kept = store.put(fact_blob(1), *_kv(), [1] * 5, window=0)
+    gone = store.put(fact_blob(2), *_kv(seed=1), [1] * 5, window=0)
     store.get(gone.location)
     assert gone.location in store.host
     assert store.delete([gone.location, gone.location, "absent/xx/3.safetensors"]) == 1
-    assert gone.location not in store.host and not store.exists("2")
+    assert gone.location not in store.host and not store.exists(fact_blob(2))
     assert list(store.durable.list()) == [kept.location]
     assert not store.durable.delete(gone.location)
 
 
 def test_deletes_go_in_batches_and_count_each_blob_once(store, monkeypatch):
     monkeypatch.setattr("inferscale.kv.durable.S3_DELETE_BATCH", 2)  # S3: 3 DeleteObjects requests
-    blobs = [store.put(str(n), *_kv(seed=n), [1] * 5, window=0).location for n in range(5)]
-    kept = store.put("9", *_kv(), [1] * 5, window=0).location
+    blobs = [store.put(fact_blob(n), *_kv(seed=n), [1] * 5, window=0).location for n in range(5)]
+    kept = store.put(fact_blob(9), *_kv(), [1] * 5, window=0).location
     asked = [*blobs, blobs[0], "absent/xx/7.safetensors", *HOSTILE_LOCATIONS]
     assert store.delete(asked) == 5
     assert list(store.durable.list()) == [kept]
@@ -263,12 +265,12 @@ async def test_liveness_of_more_ids_than_a_query_takes_parameters(engine):
 
 def test_listing_every_model_and_fact(store):
     other_model = KVStore(store.durable, FP_B, host_bytes=0)
-    a1 = store.put("1", *_kv(), [1] * 5, window=0).location
-    a2 = store.put("2", *_kv(), [1] * 5, window=0).location
-    store.put("preamble", *_kv(), [1] * 5, window=0)
-    b1 = other_model.put("1", *_kv(), [1] * 5, window=0).location
+    a1 = store.put(fact_blob(1), *_kv(), [1] * 5, window=0).location
+    a2 = store.put(fact_blob(2), *_kv(), [1] * 5, window=0).location
+    store.put(PREAMBLE, *_kv(), [1] * 5, window=0)
+    b1 = other_model.put(fact_blob(1), *_kv(), [1] * 5, window=0).location
     assert sorted(store.durable.folders()) == [FP_A[:16], FP_B[:16]]
-    assert sorted(store.locations_of(["1"])) == sorted([a1, b1])
+    assert sorted(store.locations_of([fact_blob(1)])) == sorted([a1, b1])
     assert sorted(store.fact_blobs()) == sorted([(1, a1), (1, b1), (2, a2)])
     assert sorted(store.durable.list(f"{FP_B[:16]}/")) == [b1]
 
@@ -278,14 +280,14 @@ def test_a_failed_write_leaves_nothing_visible(store, point):
     failpoints.arm(f"{point}=error:ENOSPC")
     try:
         with pytest.raises(OSError) as failure:
-            store.put("5", *_kv(), [1] * 5, window=0)
+            store.put(fact_blob(5), *_kv(), [1] * 5, window=0)
     finally:
         failpoints.arm("")
     assert failure.value.errno == errno.ENOSPC
-    assert not store.exists("5") and _everything(store.durable) == []
+    assert not store.exists(fact_blob(5)) and _everything(store.durable) == []
     assert store.sweep_temp() == 0
-    store.put("5", *_kv(), [1] * 5, window=0)
-    assert store.exists("5")
+    store.put(fact_blob(5), *_kv(), [1] * 5, window=0)
+    assert store.exists(fact_blob(5))
 
 
 def test_sweep_removes_temp_files_of_dead_writers_only(tmp_path):
@@ -302,7 +304,7 @@ def test_sweep_removes_temp_files_of_dead_writers_only(tmp_path):
 
 
 def test_get_many_pages_misses_in_concurrently_in_order(store, monkeypatch):
-    stored = [store.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(4)]
+    stored = [store.put(fact_blob(i), *_kv(seed=i), [i] * 5, window=0) for i in range(4)]
     locations = [s.location for s in stored]
     checksums = [s.checksum for s in stored]
     expected = [KVStore(store.durable, FP_A, host_bytes=0).get(loc) for loc in locations]
@@ -345,7 +347,7 @@ def test_page_ins_run_on_every_cpu_of_the_process_when_the_caller_is_pinned(tmp_
     store = KVStore(LocalDir(tmp_path), FP_A, host_bytes=0)
     monkeypatch.setattr(store.durable, "read_many",
                         lambda locations, alloc=None, pool=None: (None for _ in locations))
-    stored = store.put("1", *_kv(), [1] * 5, window=0)
+    stored = store.put(fact_blob(1), *_kv(), [1] * 5, window=0)
     assert store.durable.read_threads == len(process_cpus())
     seen: list[set[int]] = []
     read = store.durable.read_versioned
@@ -369,7 +371,7 @@ def test_page_ins_run_on_every_cpu_of_the_process_when_the_caller_is_pinned(tmp_
 
 
 def test_hostile_locations_name_no_blob_and_reach_nothing_outside(store):
-    store.put("1", *_kv(), [1] * 5, window=0)
+    store.put(fact_blob(1), *_kv(), [1] * 5, window=0)
     before = _everything(store.durable)
     for location in HOSTILE_LOCATIONS:
         with pytest.raises(BlobMissing):
@@ -379,9 +381,7 @@ def test_hostile_locations_name_no_blob_and_reach_nothing_outside(store):
         with pytest.raises(ValueError):
             store.durable.write(location, b"x")
     for name in ["../x", "../../../x", "", ".hidden", "x\\y"]:
-        with pytest.raises(ValueError):
-            store.put(name, *_kv(), [1] * 5, window=0)
-        assert not store.exists(name)
+        assert BlobName.parse(name) is None  # no blob name reaches a path outside its folder
     assert store.delete(HOSTILE_LOCATIONS) == 0
     assert _everything(store.durable) == before
 
@@ -425,11 +425,11 @@ async def test_forget_and_orphan_sweep_on_the_backend(kv_settings, engine):
         ids = (await conn.execute(insert(facts).returning(facts.c.id), rows)).scalars().all()
     model_a = KVStore.from_settings(kv_settings, FP_A, host_bytes=1 << 20)
     model_b = KVStore.from_settings(kv_settings, FP_B, host_bytes=0)
-    recorded = [model_a.put(str(fact_id), *_kv(), [1] * 5, window=0) for fact_id in ids]
-    unrecorded = model_b.put(str(ids[0]), *_kv(), [1] * 5, window=0)  # another model's blob
+    recorded = [model_a.put(fact_blob(fact_id), *_kv(), [1] * 5, window=0) for fact_id in ids]
+    unrecorded = model_b.put(fact_blob(ids[0]), *_kv(), [1] * 5, window=0)  # another model's blob
     model_a.get(recorded[0].location)
-    orphan = model_a.put(str(10**15 + ids[0]), *_kv(), [1] * 5, window=0)
-    model_a.put("preamble", *_kv(), [1] * 5, window=0)
+    orphan = model_a.put(fact_blob(10**15 + ids[0]), *_kv(), [1] * 5, window=0)
+    model_a.put(PREAMBLE, *_kv(), [1] * 5, window=0)
     async with engine.begin() as conn:
         await set_kv(conn, FP_A, [ids[0]], kv_location=recorded[0].location)
     cli_store = KVStore.from_settings(kv_settings, fingerprint="", host_bytes=0)  # as cli does
@@ -439,7 +439,7 @@ async def test_forget_and_orphan_sweep_on_the_backend(kv_settings, engine):
     assert model_a.evict(forgotten.locations) == 1  # what a server's invalidation does
     assert await sweep_orphan_blobs(engine, cli_store) == 1
     assert not model_a.durable.exists(orphan.location)
-    assert list(model_a.durable.list()) == [model_a.location_for("preamble")]
+    assert list(model_a.durable.list()) == [model_a.location_for(PREAMBLE)]
 
 
 def test_kv_url_picks_the_backend(tmp_path, s3_endpoint, monkeypatch):
@@ -482,7 +482,7 @@ def test_kv_url_refuses_what_it_cannot_mean(url, monkeypatch):
 
 
 def test_listing_a_folder_outside_the_tier_lists_nothing(store):
-    store.put("1", *_kv(), [1] * 5, window=0)
+    store.put(fact_blob(1), *_kv(), [1] * 5, window=0)
     for prefix in ("../", "/", "a/../../", ".hidden/", "no-slash", "a\\b/"):
         assert list(store.durable.list(prefix)) == []
     assert len(list(store.durable.list())) == 1

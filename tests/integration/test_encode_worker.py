@@ -13,9 +13,9 @@ import torch
 from kvrows import KV_COLUMNS, with_kv
 from sqlalchemy import select, text
 
-from helpers import extract_all, sample_turns, turn
+from helpers import extract_all, ingest_and_encode, sample_turns, turn
+from inferscale.contracts.blob_name import fact_blob, holds_lead, lead_blob
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.contracts.plan import holds_lead, lead_name
 from inferscale.core import failpoints
 from inferscale.core.settings import Settings
 from inferscale.db.encode_queue import (
@@ -35,10 +35,11 @@ from inferscale.devstack.stack import worker_process
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
-from inferscale.pipeline.forget import forget_user
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
+from inferscale.serving.forget import forget_user
 from workers.encode import EncodeWorker
 from workers.ingest import IngestWorker
+from workers.maintenance import MaintenanceWorker
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +63,6 @@ def llama(tiny_models) -> str:
     return model_fingerprint(tiny_models["llama"])
 
 
-async def _ingest(settings, engine, embedder, turns):
-    security = kafka_security(settings)
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
-    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, turns, progress=False,
-                        security=security)
-    await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
-    await extract_all(settings, engine, embedder)
-
-
 def _cosine_distance(a, b) -> float:
     a, b = torch.tensor(list(a)), torch.tensor(list(b))
     return 1.0 - float(torch.nn.functional.cosine_similarity(a, b, dim=0))
@@ -91,7 +83,7 @@ async def test_ingested_facts_get_verified_kv_once(settings, engine, embedder, t
     settings = settings.model_copy(update={"window": 3, "encode_batch_size": 6})
     turns = sample_turns()
     user = turns[0].user_id
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     async with engine.begin() as conn:
         await register_model(conn, llama)
     async with engine.begin() as conn:  # context = the 3 preceding facts, oldest first
@@ -141,13 +133,13 @@ async def test_lead_encodings_are_the_facts_after_the_preamble_alone(settings, e
                                                                    tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"window": 2, "kv_format": "raw", "lead_share": 1.0})
     user, plain = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("lead", "plain"))
-    await _ingest(settings, engine, embedder, sample_turns(user)[:4])
+    await ingest_and_encode(settings, engine, embedder, sample_turns(user)[:4])
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     rows = await _user_facts(engine, user)
     assert rows[0].kv_lead_checksum is None  # no context: its one encoding is the lead one
     for row in rows[1:]:
-        lead = store.load(lead_name(row.id), row.kv_lead_checksum)
+        lead = store.load(lead_blob(row.id), row.kv_lead_checksum)
         alone = tiny_encoder.encode([tiny_encoder.fact_item(row.text, [])])[0]
         assert lead.token_ids == row.token_ids and lead.window == 0
         assert torch.allclose(lead.k.float(), alone.k.float(), atol=1e-5)
@@ -157,10 +149,10 @@ async def test_lead_encodings_are_the_facts_after_the_preamble_alone(settings, e
     forgotten = await forget_user(engine, store, user)
     assert (forgotten.facts, forgotten.blobs) == (4, 4 + 3)
     assert not list((tmp_path / "kv").rglob(f"{rows[1].id}*.safetensors"))
-    assert lead_name(rows[1].id) not in store.host
+    assert store.location_for(lead_blob(rows[1].id)) not in store.host
     # Switched off, the worker writes one blob per fact.
     off = settings.model_copy(update={"lead_encoding": False})
-    await _ingest(off, engine, embedder, sample_turns(plain)[:3])
+    await ingest_and_encode(off, engine, embedder, sample_turns(plain)[:3])
     await EncodeWorker(off, engine, tiny_encoder, store).run(drain=True)
     assert [r.kv_lead_checksum for r in await _user_facts(engine, plain)] == [None] * 3
     assert not list((tmp_path / "kv").rglob("*.lead.safetensors"))
@@ -174,7 +166,7 @@ async def test_lead_blobs_go_to_small_memories_and_a_share_of_the_rest(settings,
     settings = settings.model_copy(update={"window": 2, "lead_share": 0.5,
                                            "encode_backfill": False})
     turns = sample_turns(f"need-{uuid.uuid4().hex[:6]}")[:8]
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     rows = await _user_facts(engine, turns[0].user_id)
@@ -182,11 +174,11 @@ async def test_lead_blobs_go_to_small_memories_and_a_share_of_the_rest(settings,
     wanted = [False, True] + [holds_lead(r.id, 0.5) for r in rows[2:]]
     assert [r.kv_lead_checksum is not None for r in rows] == wanted
     on_disk = {p.name for p in (tmp_path / "kv").rglob("*.lead.safetensors")}
-    assert on_disk == {f"{lead_name(r.id)}.safetensors" for r, w in zip(rows, wanted,
+    assert on_disk == {f"{lead_blob(r.id)}.safetensors" for r, w in zip(rows, wanted,
                                                                          strict=True) if w}
     for row in rows:
         if row.kv_lead_checksum:
-            assert store.load(lead_name(row.id), row.kv_lead_checksum).window == 0
+            assert store.load(lead_blob(row.id), row.kv_lead_checksum).window == 0
         files = [p for p in (tmp_path / "kv").rglob("*.safetensors")
                  if p.name.split(".")[0] == str(row.id)]
         assert row.kv_bytes == sum(p.stat().st_size for p in files)  # what the budget counts
@@ -200,7 +192,7 @@ async def test_a_lead_blob_left_by_a_dead_claimer_goes_when_its_fact_needs_none(
     settings = settings.model_copy(update={"window": 2, "lead_share": 0.0, "encode_lease_s": 0.5,
                                            "encode_backfill": False})
     turns = sample_turns(f"dead-lead-{uuid.uuid4().hex[:6]}")[:4]
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
     async with engine.begin() as conn:  # a worker claims the facts...
         await register_model(conn, store.fingerprint)
@@ -208,7 +200,7 @@ async def test_a_lead_blob_left_by_a_dead_claimer_goes_when_its_fact_needs_none(
                                             settings.encode_lease_s, 3)
     last = max(claimed, key=lambda fact: fact.id)
     stray = torch.zeros(2, 3, 1, 8, dtype=torch.bfloat16)  # ...writes a lead blob and dies
-    store.put(lead_name(last.id), stray, stray.clone(), [1, 2, 3], window=0)
+    store.put(lead_blob(last.id), stray, stray.clone(), [1, 2, 3], window=0)
     await asyncio.sleep(0.6)  # its lease runs out
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     rows = await _user_facts(engine, turns[0].user_id)
@@ -216,7 +208,7 @@ async def test_a_lead_blob_left_by_a_dead_claimer_goes_when_its_fact_needs_none(
     # the second fact had one other before it (a small memory); the last has its window
     assert [r.kv_lead_checksum is not None for r in rows] == [False, True, False, False]
     on_disk = {p.name for p in (tmp_path / "kv").rglob("*.lead.safetensors")}
-    assert on_disk == {f"{lead_name(rows[1].id)}.safetensors"}
+    assert on_disk == {f"{lead_blob(rows[1].id)}.safetensors"}
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])
@@ -226,7 +218,7 @@ async def test_durable_tier_errors_are_recorded_and_retried_until_they_clear(
                                            "encode_retry_base_s": 0.5})
     turns = sample_turns()[:3]
     user = turns[0].user_id
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     store = KVStore(LocalDir(tmp_path / "kv"), model_fingerprint(tiny_models["llama"]),
                     host_bytes=0)
     failpoints.arm(f"kv.mid_write=error:{error}")  # the disk fills up in the middle of a write
@@ -279,7 +271,7 @@ async def test_real_full_disk_fails_facts_cleanly_and_they_heal(settings, engine
                                            "encode_batch_size": 4})
     turns = sample_turns()
     user = turns[0].user_id
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     store = KVStore(LocalDir(mount / "kv"), model_fingerprint(tiny_models["llama"]), host_bytes=0)
     full = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     rows = await _user_facts(engine, user)
@@ -317,7 +309,7 @@ async def test_encode_errors_are_retried_a_bounded_number_of_times(settings, eng
                                            "encode_retry_base_s": 0.1})
     turns = sample_turns()[:3]
     user = turns[0].user_id
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=1 << 20)
     crashing = _CrashingEncoder(tiny_encoder)
     for _ in range(2):
@@ -343,14 +335,14 @@ async def test_early_facts_are_encoded_again_once_their_user_has_3w_facts(
     turns, plain = sample_turns()[:6], sample_turns()[:6]
     user = turns[0].user_id
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
-    await _ingest(settings, engine, embedder, turns[:3])
+    await ingest_and_encode(settings, engine, embedder, turns[:3])
     first = await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     before = await _user_facts(engine, user)
     assert [r.context_facts for r in before] == [0, 1, 2] and first.reencoded == 0
     assert not any(r.backfill_due for r in before) and before[0].kv_lead_checksum is None
     for row in before:  # a server's memory tier holds the first versions
         store.get(row.kv_location, row.kv_checksum)
-    await _ingest(settings, engine, embedder, turns[3:])
+    await ingest_and_encode(settings, engine, embedder, turns[3:])
     async with engine.begin() as conn:  # 6 = 3w live facts: the two early ones are due
         assert await mark_backfill_due(conn, store.fingerprint, [user], 2) == 2
         assert await count_backfill_facts(conn, store.fingerprint, 3, user) == 2
@@ -365,14 +357,14 @@ async def test_early_facts_are_encoded_again_once_their_user_has_3w_facts(
     for row in rows[:2]:  # after its 2 nearest among the user's first 6 facts, nearest last
         expected = tiny_encoder.encode([tiny_encoder.fact_item(row.text,
                                                                _nearest_last(row, rows, 2))])[0]
-        served = store.load(str(row.id), row.kv_checksum)  # not the old copy held in memory
+        served = store.load(fact_blob(row.id), row.kv_checksum)  # not the old copy held in memory
         assert torch.allclose(served.k.float(), expected.k.float(), atol=1e-4)
         assert torch.allclose(served.v.float(), expected.v.float(), atol=1e-4)
-        assert store.load(lead_name(row.id), row.kv_lead_checksum).token_ids == row.token_ids
+        assert store.load(lead_blob(row.id), row.kv_lead_checksum).token_ids == row.token_ids
     assert (await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)).encoded == 0
     # Facts stored after 3w are encoded after full context at once; switched off, no backfill.
     off = settings.model_copy(update={"encode_backfill": False})
-    await _ingest(off, engine, embedder, plain)
+    await ingest_and_encode(off, engine, embedder, plain)
     assert (await EncodeWorker(off, engine, tiny_encoder, store).run(drain=True)).reencoded == 0
     assert [r.context_facts for r in await _user_facts(engine, plain[0].user_id)] == [
         0, 1, 2, 2, 2, 2]
@@ -384,10 +376,10 @@ async def test_a_failed_reencoding_keeps_the_facts_kv_and_is_not_retried(
     turns = sample_turns()[:3]
     user = turns[0].user_id
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=0)
-    await _ingest(settings, engine, embedder, turns[:1])
+    await ingest_and_encode(settings, engine, embedder, turns[:1])
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     (encoded,) = await _user_facts(engine, user)
-    await _ingest(settings, engine, embedder, turns[1:])
+    await ingest_and_encode(settings, engine, embedder, turns[1:])
     stats = await EncodeWorker(settings, engine, _CrashingEncoder(tiny_encoder), store).run(
         drain=True)
     assert stats.failed == 2 + 1  # the two new facts, then the early one's re-encoding
@@ -407,7 +399,8 @@ async def test_forget_removes_user_everywhere_and_spares_others(settings, engine
                                                                 tiny_encoder, tmp_path):
     settings = settings.model_copy(update={"window": 2, "lead_share": 1.0})
     victim, other = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("victim", "other"))
-    await _ingest(settings, engine, embedder, sample_turns(victim)[:6] + sample_turns(other)[:6])
+    await ingest_and_encode(settings, engine, embedder,
+                            sample_turns(victim)[:6] + sample_turns(other)[:6])
     store = KVStore(LocalDir(tmp_path / "kv"), "e" * 64, host_bytes=1 << 30)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     victim_rows = await _user_facts(engine, victim)
@@ -446,7 +439,7 @@ async def test_claims_of_dead_workers_are_counted_and_the_fact_quarantined(
     store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)  # nothing else due
     turns = sample_turns()[:3]
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     ids = [row.id for row in await _user_facts(engine, turns[0].user_id)]
 
     async def claim() -> list[PendingFact]:
@@ -502,7 +495,7 @@ async def test_a_user_forgotten_while_encoding_leaves_no_kv(settings, engine, em
     store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     turns = sample_turns()[:3]
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     loop = asyncio.get_running_loop()
 
     def forget() -> None:
@@ -515,15 +508,16 @@ async def test_a_user_forgotten_while_encoding_leaves_no_kv(settings, engine, em
     assert {p.name for p in store.durable.root.rglob("*.safetensors")} == {"preamble.safetensors"}
 
 
-async def test_the_encode_stage_sweeps_orphan_blobs_when_it_starts(settings, engine, embedder,
-                                                                    tiny_encoder, tmp_path):
+async def test_the_maintenance_stage_sweeps_orphan_blobs_when_it_starts(
+        settings, engine, embedder, tiny_encoder, tmp_path):
     store = KVStore(LocalDir(tmp_path / "kv"), "f" * 64, host_bytes=0)
     turns = sample_turns()[:2]
-    await _ingest(settings, engine, embedder, turns)
-    orphan = store.put(str(10**15), *_kv_like(tiny_encoder), [1], window=0)  # no such fact
+    await ingest_and_encode(settings, engine, embedder, turns)
+    orphan = store.put(fact_blob(10**15), *_kv_like(tiny_encoder), [1], window=0)  # no such fact
     stats = await EncodeWorker(settings.model_copy(update={"window": 0}), engine, tiny_encoder,
                                store).run(drain=True)
-    assert stats.encoded >= len(turns)
+    assert stats.encoded >= len(turns) and store.durable.exists(orphan.location)
+    assert (await MaintenanceWorker(settings, engine, store).run(drain=True)).swept == 1
     assert not store.durable.exists(orphan.location)
     kept = {p.name for p in store.durable.root.rglob("*.safetensors")}
     assert "preamble.safetensors" in kept and len(kept) == stats.encoded + 1
@@ -612,7 +606,7 @@ async def test_a_fact_edited_while_encoding_leaves_no_old_kv_and_the_edit_stays(
     await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
     turns = sample_turns()[:3]
     user = turns[0].user_id
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     first, second, third = [row.id for row in await _user_facts(engine, user)]
     new_text = "1 March 2025 Sam: I live in Porto now."
     vector = [float(x) for x in embedder.encode([new_text])[0]]
@@ -636,7 +630,7 @@ async def test_a_fact_edited_while_encoding_leaves_no_old_kv_and_the_edit_stays(
         assert (await delete_fact(conn, user, second))[0]
     rows = {row.id: row for row in await _user_facts(engine, user)}
     assert rows[first].deleted_at is not None and rows[first].superseded_by == edited[0]
-    assert not (store.durable.root / store.location_for(str(first))).exists()  # removed
+    assert not (store.durable.root / store.location_for(fact_blob(first))).exists()  # removed
     assert rows[edited[0]].kv_location
     assert (store.durable.root / rows[edited[0]].kv_location).exists()
     live_before = [(r.id, r.text) for r in (await _live_records(engine, user, store))]
@@ -672,14 +666,15 @@ async def test_one_memory_gets_kv_for_two_models_and_a_fleet_moving_drops_the_ol
     turns = sample_turns(user)[:5]
     durable = LocalDir(tmp_path / "kv")
     old = KVStore(durable, model_fingerprint(tiny_models["llama"]), host_bytes=1 << 30)
-    await _ingest(settings, engine, embedder, turns)
+    await ingest_and_encode(settings, engine, embedder, turns)
     await EncodeWorker(settings, engine, tiny_encoder, old).run(drain=True)
     before = await _user_facts(engine, user, old.fingerprint)
     assert all(r.kv_location and r.model_fingerprint == old.fingerprint for r in before)
     new_encoder = FactEncoder(tiny_models["qwen2"], device="cpu", dtype=torch.float32)
     new = KVStore(durable, model_fingerprint(tiny_models["qwen2"]), host_bytes=1 << 30)
     both = await EncodeWorker(settings, engine, new_encoder, new).run(drain=True)
-    assert both.encoded == len(before) and both.migrated == 0 and both.failed == 0
+    assert both.encoded == len(before) and both.failed == 0
+    assert (await MaintenanceWorker(settings, engine, new).run(drain=True)).migrated == 0
     ids = [r.id for r in before]
     async with engine.connect() as conn:
         served = {model: (await live_facts(conn, user, model, ids))[1]
@@ -695,8 +690,8 @@ async def test_one_memory_gets_kv_for_two_models_and_a_fleet_moving_drops_the_ol
             assert blob.token_ids == row["token_ids"] == encoder.layout.fact_segment(
                 row["text"])
     moving = settings.model_copy(update={"encode_migrate": True})
-    moved = await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)
-    assert (moved.encoded, moved.migrated, moved.failed) == (0, len(before), 0)
+    assert (await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)).encoded == 0
+    assert (await MaintenanceWorker(moving, engine, new).run(drain=True)).migrated == len(before)
     after = await _user_facts(engine, user)  # every model's rows
     assert [r.id for r in after] == ids and {r.model_fingerprint for r in after} == {
         new.fingerprint}
@@ -705,5 +700,5 @@ async def test_one_memory_gets_kv_for_two_models_and_a_fleet_moving_drops_the_ol
     assert not any(durable.exists(r.kv_location) for r in before)
     assert not [p for p in (tmp_path / "kv" / old.fingerprint[:16]).rglob("*.safetensors")
                 if p.name.split(".")[0] in {str(i) for i in ids}]
-    again = await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)
-    assert (again.encoded, again.migrated) == (0, 0)
+    assert (await EncodeWorker(moving, engine, new_encoder, new).run(drain=True)).encoded == 0
+    assert (await MaintenanceWorker(moving, engine, new).run(drain=True)).migrated == 0

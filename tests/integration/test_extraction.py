@@ -12,16 +12,15 @@ import pytest
 from kvrows import set_kv
 from sqlalchemy import select
 
-from helpers import extract_all, turn
+from helpers import extract_all, ingest, turn
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.contracts.scope import Scope
 from inferscale.db.extract_queue import StoredFact
 from inferscale.db.tables import facts, turns
 from inferscale.db.turns import count_user_rows
 from inferscale.pipeline.extraction import LLMExtractor, TurnExtractor, TurnInContext, get_extractor
-from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.updates import Decision, LLMDecider, NewDraft, plan_updates
 from inferscale.serving.owner_index import OwnerIndex
-from workers.ingest import IngestWorker
 
 TS = datetime(2025, 5, 3, 9, 0, tzinfo=UTC)
 MODEL = "f" * 64  # the model the stage tests' facts are encoded for (as if)
@@ -156,14 +155,6 @@ def test_llm_decider_maps_unusable_answers_to_add():
 
 # --- the stage on the real Postgres ----------------------------------------------------------
 
-async def _ingest(settings, engine, events) -> None:
-    security = kafka_security(settings)
-    await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
-    await publish_turns(settings.kafka_bootstrap, settings.turns_topic, events, progress=False,
-                        security=security)
-    await IngestWorker(settings, settings.kafka_bootstrap, engine).run(drain=True)
-
-
 async def _live(engine, user) -> list[tuple[int, str]]:
     async with engine.connect() as conn:
         rows = await conn.execute(select(facts.c.id, facts.c.text).where(
@@ -187,7 +178,7 @@ class Recorder:
 async def test_turns_are_extracted_once_with_their_context(settings, engine, embedder):
     user = f"extract-{uuid.uuid4().hex[:6]}"
     said = [turn(user, f"t{i}", "Kim", f"Fact number {i}.", day=i + 1) for i in range(5)]
-    await _ingest(settings, engine, said)
+    await ingest(settings, engine, said)
     recorder = Recorder()
     cfg = settings.model_copy(update={"extract_batch_size": 2, "extract_context_turns": 2})
     await extract_all(cfg, engine, embedder, extractor=recorder)
@@ -201,7 +192,7 @@ async def test_turns_are_extracted_once_with_their_context(settings, engine, emb
     assert [tuple(r.turn_ids) for r in rows] == [(f"t{i}",) for i in range(5)]  # provenance
     # Redelivered turns are stored already: nothing is extracted again.
     replay = settings.model_copy(update={"consumer_group": settings.consumer_group + "-r"})
-    await _ingest(replay, engine, said)
+    await ingest(replay, engine, said)
     again = Recorder()
     await extract_all(settings, engine, embedder, extractor=again)
     assert not [t for t in again.seen if t.text.startswith("Fact number")]
@@ -213,7 +204,7 @@ async def test_two_stages_never_hold_one_users_turns_at_once(settings, engine, e
     """Two workers extract concurrently: every turn once, each user's turns in one lease."""
     users = [f"pair-{uuid.uuid4().hex[:6]}-{i}" for i in range(6)]
     said = [turn(u, f"t{i}", "Kim", f"{u} fact {i}.") for u in users for i in range(4)]
-    await _ingest(settings, engine, said)
+    await ingest(settings, engine, said)
 
     class Slow(Recorder):
         def extract(self, turns_):
@@ -237,7 +228,7 @@ async def test_two_stages_never_hold_one_users_turns_at_once(settings, engine, e
 async def test_a_crash_mid_batch_stores_nothing_and_the_lease_runs_out(settings, engine,
                                                                        embedder):
     user = f"crash-{uuid.uuid4().hex[:6]}"
-    await _ingest(settings, engine, [turn(user, "t1", "Kim", "I collect stamps.")])
+    await ingest(settings, engine, [turn(user, "t1", "Kim", "I collect stamps.")])
 
     class Crash(Recorder):
         def extract(self, turns_):
@@ -274,7 +265,7 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
                 Decision("DELETE", 0) if "died" in new else Decision("ADD") for new, _ in items]
 
     async def say(turn_id, text, day):
-        await _ingest(settings, engine, [turn(user, turn_id, "Ana", text, day=day)])
+        await ingest(settings, engine, [turn(user, turn_id, "Ana", text, day=day)])
         await extract_all(settings, engine, embedder, decide=decide, store=store,
                           invalidate=invalidate)
 
@@ -282,7 +273,7 @@ async def test_memory_follows_updates_and_deletes(settings, engine, embedder, tm
     await say("t2", "My dog Rex loves the beach.", 2)
     live = await _live(engine, user)
     paris = live[0][0]
-    location = store.put(str(paris), *_kv(), window=0).location  # as if encoded
+    location = store.put(fact_blob(paris), *_kv(), window=0).location  # as if encoded
     async with engine.begin() as conn:
         await set_kv(conn, store.fingerprint, [paris], kv_location=location)
     await say("t3", "I moved to Lisbon last week.", 3)
@@ -321,11 +312,11 @@ async def test_scoped_turns_make_scoped_facts_updated_within_their_scope(setting
         return turn(user, turn_id, "Ana", text, day).model_copy(
             update={"version": 2, "agent_id": agent, "run_id": run})
 
-    await _ingest(settings, engine, [scoped("t1", "I live in Paris.", 1, "coach", "s1"),
-                                     scoped("t2", "I live in Paris.", 1, "chef"),
-                                     turn(user, "t3", "Ana", "I live in Paris.", 1)])
+    await ingest(settings, engine, [scoped("t1", "I live in Paris.", 1, "coach", "s1"),
+                                    scoped("t2", "I live in Paris.", 1, "chef"),
+                                    turn(user, "t3", "Ana", "I live in Paris.", 1)])
     await extract_all(settings, engine, embedder, decide=decide)
-    await _ingest(settings, engine, [scoped("t4", "I moved to Lisbon.", 2, "chef")])
+    await ingest(settings, engine, [scoped("t4", "I moved to Lisbon.", 2, "chef")])
     await extract_all(settings, engine, embedder, decide=decide)
     async with engine.connect() as conn:
         rows = (await conn.execute(select(
@@ -360,7 +351,7 @@ async def test_llm_extraction_on_the_real_model_keeps_every_turn(settings, engin
     said = [turn(user, "t1", "Ana", "I just adopted a grey cat called Miso.", day=1),
             turn(user, "t2", "Ana", "I work night shifts as a nurse at the city hospital.", 2),
             turn(user, "t3", "Ana", "ok, thanks!", day=3)]
-    await _ingest(settings, engine, said)
+    await ingest(settings, engine, said)
     cfg = settings.model_copy(update={"extractor": "llm", "model_path": smollm2_dir})
     encoder = FactEncoder(smollm2_dir, device="cpu")
     extractor, decide = run.extraction(cfg, encoder)
@@ -377,37 +368,12 @@ async def test_llm_extraction_on_the_real_model_keeps_every_turn(settings, engin
         assert row.extractor in ("llm", "turn")  # "turn": the model's answer was unusable
 
 
-async def test_bench_progress_counts_any_number_of_facts_per_turn(settings, engine, embedder):
-    """`bench load` waits per turn: a turn is encoded once all its live facts have KV (a turn
-    without facts, once extracted)."""
-    from inferscale.lab.bench.load import TURN_PROGRESS
-
-    prefix = f"progress-{uuid.uuid4().hex[:6]}"
-    user = f"{prefix}-0"
-    await _ingest(settings, engine, [turn(user, "t1", "Kim", "Two facts."),
-                                     turn(user, "t2", "Kim", "No facts.")])
-
-    class TwoOrNone(Recorder):
-        def extract(self, turns_):
-            return [[] if t.text == "No facts." else [d, replace(d, text=d.text + " Again.")]
-                    for t, (d,) in zip(turns_, TurnExtractor().extract(turns_), strict=True)]
-
-    await extract_all(settings, engine, embedder, extractor=TwoOrNone())
-    async with engine.begin() as conn:
-        first = await conn.scalar(select(facts.c.id).where(facts.c.user_id == user).limit(1))
-        await set_kv(conn, MODEL, [first], encoded_at=TS, kv_location="x")
-        rows = {r.turn_id: r for r in await conn.execute(
-            TURN_PROGRESS, {"users": f"{prefix}-%", "model": MODEL})}
-    assert rows["t1"].facts == 2 and rows["t1"].encoded_at is None  # one of two encoded
-    assert rows["t2"].facts == 0 and rows["t2"].encoded_at == rows["t2"].created_at is not None
-
-
 async def test_a_turn_that_keeps_killing_the_extractor_is_kept_whole(settings, engine,
                                                                      embedder):
     """A poison turn (the model dies on it, with its batch-mates) cannot crash-loop the stage:
     after extract_max_crashes claims its batch is kept whole, without the model."""
     user = f"poison-{uuid.uuid4().hex[:6]}"
-    await _ingest(settings, engine, [turn(user, "t1", "Kim", "POISON pill."),
+    await ingest(settings, engine, [turn(user, "t1", "Kim", "POISON pill."),
                                      turn(user, "t2", "Kim", "I grow chillies.")])
 
     class Poison(Recorder):

@@ -2,7 +2,7 @@
 a fact served within the grace period, but the rest of an active user's KV like anyone's),
 keeps text and embeddings, deletes the blobs; a request that meets an evicted fact gets that fact
 encoded again before the backlog; an eviction cut short between rows and blobs loses nothing and
-leaves no stale KV."""
+leaves no stale KV. Eviction and the orphan sweep are the maintenance stage's."""
 
 import uuid
 from datetime import timedelta
@@ -20,8 +20,9 @@ from inferscale.db.tables import fact_kv, facts, memory_activity
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
-from inferscale.pipeline.forget import forget_user
+from inferscale.serving.forget import forget_user
 from workers.encode import EncodeWorker
+from workers.maintenance import MaintenanceWorker
 
 FACTS_EACH = 4
 MODEL = "e" * 64  # the tests' stores' model
@@ -95,13 +96,14 @@ async def test_eviction_takes_the_least_recently_served_users_and_wanted_facts_r
     # A budget that one user's KV and a bit more must leave: the never-served user goes, then
     # the least recently served one's oldest encodings.
     budget = held - each - each // 4
-    await EncodeWorker(settings.model_copy(update={"kv_budget_bytes": budget}), engine,
-                       tiny_encoder, store).run(drain=True)
+    maintained = await MaintenanceWorker(settings.model_copy(update={"kv_budget_bytes": budget}),
+                                         engine, store).run(drain=True)
     after = {u: await _rows(engine, u) for u in rows}
     async with engine.connect() as conn:
         assert await held_kv_bytes(conn) <= budget
         assert await count_pending_facts(conn, MODEL, 3, 3, never) == 0  # not re-encoded unasked
     assert all(r.kv_location is None and r.kv_evicted_at for r in after[never])
+    assert maintained.evicted == sum(r.kv_location is None for rs in after.values() for r in rs)
     assert any(r.kv_location is None for r in after[old])
     assert all(r.kv_location for r in after[recent] + after[live])
     assert not _blobs(store, [r for r in after[never] + after[old] if r.kv_location is None])
@@ -208,14 +210,16 @@ async def test_an_eviction_cut_short_before_its_blobs_loses_nothing(
     budgeted = settings.model_copy(update={"kv_user_budget_bytes": 0})
     failpoints.arm("kv.evict.before_delete=error:EIO")
     try:  # the rows are evicted, the blobs stay: the stage carries on
-        await EncodeWorker(budgeted, engine, tiny_encoder, store).run(drain=True)
+        await MaintenanceWorker(budgeted, engine, store).run(drain=True)
     finally:
         failpoints.arm("")
     cut = await _rows(engine, user)
     assert all(r.kv_location is None and r.kv_evicted_at for r in cut)  # served as text
-    assert _blobs(store, rows)
+    leftovers = _blobs(store, rows)
+    assert leftovers
     # The next stage's orphan sweep removes the leftovers; nothing else is touched.
-    await EncodeWorker(settings, engine, tiny_encoder, store).run(drain=True)
+    swept = (await MaintenanceWorker(settings, engine, store).run(drain=True)).swept
+    assert swept == len(leftovers)
     assert not _blobs(store, rows)
     async with engine.connect() as conn:
         assert await held_kv_bytes(conn) >= others

@@ -13,6 +13,7 @@ from kvrows import set_kv
 from pydantic import ValidationError
 from sqlalchemy import delete, select, text, update
 
+from inferscale.contracts.filters import Subject
 from inferscale.contracts.scope import Scope
 from inferscale.core.settings import Settings
 from inferscale.db.extract_queue import nearest_live_facts
@@ -297,12 +298,19 @@ async def test_a_scoped_search_ranks_only_that_agents_or_runs_facts(engine, inde
     assert owner not in over_budget
 
 
+def _subjects(agents: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    subjects = np.empty(len(agents), object)
+    subjects[:] = [Subject("u", a, r, datetime(2025, 1, 1, tzinfo=UTC), {})
+                   for a, r in zip(agents, runs, strict=True)]
+    return subjects
+
+
 def test_nearest_takes_every_tie_at_the_boundary():
     """Pure ranking: ids of equal scores come in id order, whichever side of the partition."""
     ids = np.asarray([50, 10, 40, 20, 30], np.int64)
     matrix = np.asarray([[1, 0], [0, 1], [1, 0], [1, 0], [0.6, 0.8]], np.float32)
     none = np.array([None] * 5, object)
-    owner = OwnerVectors(1, 5, 0, ids, matrix, (none, none))
+    owner = OwnerVectors(1, 5, 0, ids, matrix, (none, none), _subjects(none, none))
     got, distances = owner.nearest(np.asarray([1, 0], np.float32), 2)
     assert got.tolist() == [20, 40] and distances.tolist() == [0.0, 0.0]
     assert owner.nearest(np.asarray([1, 0], np.float32), 9)[0].tolist() == [20, 40, 50, 30, 10]
@@ -315,7 +323,7 @@ def test_nearest_ranks_only_the_scope_asked_for():
     matrix = np.asarray([[1, 0], [0.8, 0.6], [0.6, 0.8], [0, 1]], np.float32)
     agents = np.array(["a", "b", None, "a"], object)
     runs = np.array(["r1", "r1", "r1", None], object)
-    owner = OwnerVectors(1, 4, 0, ids, matrix, (agents, runs))
+    owner = OwnerVectors(1, 4, 0, ids, matrix, (agents, runs), _subjects(agents, runs))
     query = np.asarray([1, 0], np.float32)
     assert owner.nearest(query, 9)[0].tolist() == [10, 20, 30, 40]
     assert owner.nearest(query, 9, Scope(agent_id="a"))[0].tolist() == [10, 40]

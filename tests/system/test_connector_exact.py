@@ -20,6 +20,7 @@ from sqlalchemy import text as sa_text
 
 from conftest import running_server
 from helpers import ingest_and_encode, max_logprob_diff, tokens_and_logprobs, turn
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.db.tables import fact_kv, facts
 from inferscale.kv.encoder import FactEncoder
@@ -90,8 +91,8 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
     poisoned = await _user(tiny_served, settings, engine, embedder, encoder, store,
                            "I am a marine biologist at the city aquarium.")
     fact_id = await _fact_id(engine, poisoned)
-    blob = store.load(str(fact_id))
-    stored = store.put(str(fact_id), blob.k, blob.v * 3.0, blob.token_ids, window=0)
+    blob = store.load(fact_blob(fact_id))
+    stored = store.put(fact_blob(fact_id), blob.k, blob.v * 3.0, blob.token_ids, window=0)
     async with engine.begin() as conn:
         await set_kv(conn, store.fingerprint, [fact_id], kv_checksum=stored.checksum)
     bad = tiny_served.chat(poisoned, question, k=1, key_scales=False, **kwargs)
@@ -101,7 +102,7 @@ async def test_inject_equals_text_prefill(tiny_served, settings, tiny_models, en
 
 async def _restore(engine, store, fact_id: int, k, v, token_ids, kv_format: str) -> str:
     """Store the fact's blob anew in ``kv_format`` and record its checksum."""
-    stored = store.put(str(fact_id), k, v, token_ids, window=0, kv_format=kv_format)
+    stored = store.put(fact_blob(fact_id), k, v, token_ids, window=0, kv_format=kv_format)
     async with engine.begin() as conn:
         await set_kv(conn, store.fingerprint, [fact_id], kv_checksum=stored.checksum)
     return stored.checksum
@@ -118,11 +119,11 @@ async def test_a_coded_blob_injects_exactly_its_dequantised_values(
     user = await _user(tiny_served, settings, engine, embedder, encoder, store,
                        f"I am a marine biologist at the {kv_format} city aquarium.")
     fact_id = await _fact_id(engine, user)
-    blob = store.load(str(fact_id))
+    blob = store.load(fact_blob(fact_id))
     checksum = await _restore(engine, store, fact_id, blob.k, blob.v, blob.token_ids, kv_format)
     coded = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
     assert coded.headers["x-inferscale-facts-injected"] == "1"
-    k, v = store.load(str(fact_id), checksum).dequantized()
+    k, v = store.load(fact_blob(fact_id), checksum).dequantized()
     await _restore(engine, store, fact_id, k, v, blob.token_ids, "raw")
     plain = tiny_served.chat(user, question, k=1, key_scales=False, **kwargs)
     assert plain.headers["x-inferscale-facts-injected"] == "1"

@@ -36,8 +36,8 @@ from sqlalchemy import func, select
 
 from conftest import EXTERNAL_INFRA
 from helpers import read_topic, turn
+from inferscale.contracts.blob_name import lead_blob
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.contracts.plan import lead_name
 from inferscale.core import endpoints
 from inferscale.core.settings import Settings
 from inferscale.db.tables import fact_kv, facts, turns
@@ -410,11 +410,11 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
         store.get(row.kv_location, row.kv_checksum)  # verifies content and fingerprint
         expected.add(f"{row.id}.safetensors")
         if row.kv_lead_checksum:
-            store.load(lead_name(row.id), row.kv_lead_checksum)
-            expected.add(f"{lead_name(row.id)}.safetensors")
+            store.load(lead_blob(row.id), row.kv_lead_checksum)
+            expected.add(f"{lead_blob(row.id)}.safetensors")
     blob_names = {PurePosixPath(location).name for location in store.durable.list()} - {
         "preamble.safetensors", *(f"{name}.safetensors" for fact_id in others
-                                  for name in (fact_id, lead_name(fact_id)))}
+                                  for name in (fact_id, lead_blob(fact_id)))}
     temp_files = list(cfg.kv_path.rglob("*.tmp"))  # S3: nothing on local disk at all
     assert kv == "local" or not cfg.kv_path.exists()
     dead_lettered = await read_topic(bootstrap, cfg.dead_letter_topic, 1, timeout_s=3)

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import AUTH
 from helpers import ingest_and_encode, turn
-from inferscale.client import AsyncMemoryClient, MemoryAPIError, MemoryClient
+from inferscale.client import AsyncMemoryClient, Deleted, MemoryAPIError, MemoryClient
+from inferscale.contracts.blob_name import fact_blob
 from workers.encode import EncodeWorker
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ async def test_list_read_search_edit_delete_and_history(served, smol, cfg, engin
     after = served.chat(user, question, k=1)  # at once: the new version, as text
     assert _served_ids(after) == [edited["id"]]
     assert after.headers["x-inferscale-facts-injected"] == "0"
-    assert not (store.durable.root / store.location_for(str(horse["id"]))).exists()
+    assert not (store.durable.root / store.location_for(fact_blob(horse["id"]))).exists()
     with pytest.raises(MemoryAPIError) as gone:
         memory.get_fact(user, horse["id"])
     assert gone.value.status == 404
@@ -80,7 +81,7 @@ async def test_list_read_search_edit_delete_and_history(served, smol, cfg, engin
     assert _served_ids(encoded) == [edited["id"]]
     assert encoded.headers["x-inferscale-facts-injected"] == "1"
 
-    assert memory.delete_fact(user, edited["id"]) == {"id": edited["id"], "deleted": True}
+    assert memory.delete_fact(user, edited["id"]) == Deleted(id=edited["id"], deleted=True)
     assert edited["id"] not in _served_ids(served.chat(user, question, k=3))
     assert [f["id"] for f in memory.list_facts(user)["facts"]] == [
         f["id"] for f in listed if f["id"] != horse["id"]]

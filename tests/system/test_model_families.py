@@ -25,6 +25,7 @@ from sqlalchemy import select
 
 from conftest import running_server
 from helpers import ingest_and_encode, max_logprob_diff, metric, tokens_and_logprobs, turn
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.core.settings import Settings
 from inferscale.db.tables import fact_kv, facts
@@ -96,8 +97,8 @@ async def test_injected_memory_answers_exactly_as_text_prefill(family, settings,
     async with engine.connect() as conn:
         fact_id = (await conn.execute(select(facts.c.id).where(
             facts.c.user_id == poisoned))).scalar_one()
-    blob = store.load(str(fact_id))
-    stored = store.put(str(fact_id), blob.k, blob.v * 3.0, blob.token_ids, window=0)
+    blob = store.load(fact_blob(fact_id))
+    stored = store.put(fact_blob(fact_id), blob.k, blob.v * 3.0, blob.token_ids, window=0)
     async with engine.begin() as conn:
         await set_kv(conn, store.fingerprint, [fact_id], kv_checksum=stored.checksum)
     bad = server.chat(poisoned, QUESTION, k=1, **EXACT)

@@ -9,6 +9,7 @@ import torch
 
 from conftest import BUCKET, running_server
 from helpers import ingest_and_encode, metric, turn
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.kv.durable import S3Objects
 from inferscale.kv.encoder import FactEncoder
@@ -89,7 +90,7 @@ async def test_an_edit_on_one_replica_is_what_the_other_serves(replicas, tiny_mo
     answer = two.chat(user, question, k=1)
     assert answer.headers["x-inferscale-fact-ids"] == str(new["id"])
     assert answer.headers["x-inferscale-facts-injected"] == "0"  # new: text until encoded
-    assert not store.durable.exists(store.location_for(str(old["id"])))
+    assert not store.durable.exists(store.location_for(fact_blob(old["id"])))
     for _ in range(120):  # the invalidation reaches the other replica's workers
         if metric(two, "inferscale_purged_blobs_total") > purged_before:
             break

@@ -11,7 +11,7 @@ from sqlalchemy import delete, select, update
 
 from conftest import AUTH
 from helpers import ingest_and_encode, metric, sample_turns, turn
-from inferscale.contracts.plan import LEAD
+from inferscale.contracts.blob_name import PREAMBLE, fact_blob
 from inferscale.core import failpoints
 from inferscale.db.encode_queue import register_model
 from inferscale.db.tables import fact_kv, facts, kv_models
@@ -153,7 +153,7 @@ async def test_users_get_only_their_own_facts(served, smol, cfg, engine, embedde
         user = rng.choice(users)
         prompt = await compose(rt, user, MemoryOptions(mode="inject", k=rng.choice([1, 5, 20])), [
             {"role": "user", "content": rng.choice(queries)}], rng.choice(queries))
-        foreign += sum(owners[int(s.name.removesuffix(LEAD))] != user
+        foreign += sum(owners[s.name.fact_id] != user
                        for s in prompt.plan.segments[1:])
     await rt.engine.dispose()
     assert foreign == 0
@@ -212,8 +212,8 @@ async def test_bad_blobs_are_recomputed_never_served(served, smol, cfg, engine, 
         path.write_bytes(bytes(raw))
         break
     other = KVStore(LocalDir(store.durable.root / "other"), "0" * 64, host_bytes=0)
-    blob = store.load("preamble")
-    moved = other.put(str(rows[1].id), blob.k, blob.v, blob.token_ids, window=0)
+    blob = store.load(PREAMBLE)
+    moved = other.put(fact_blob(rows[1].id), blob.k, blob.v, blob.token_ids, window=0)
     store.durable.write(rows[1].kv_location, other.durable.read(moved.location))
     failures_before = metric(served, "inferscale_kv_load_failures_total")
     response = served.chat(user, question)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvcases import kv_case, window_slots
 from transformers import LlamaConfig
 
+from inferscale.contracts.blob_name import BlobName, fact_blob
 from inferscale.kv.chain import ChainWriter, LayerSlots, to_device
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.rope import ChunkedRope
@@ -103,14 +104,14 @@ def test_to_device_keeps_a_tensor_already_there():
     assert to_device(t, torch.device("cpu")) is t
 
 
-def _stored(tmp: str, device, **kwargs) -> tuple[KVStore, list[str], list[torch.Tensor]]:
+def _stored(tmp: str, device, **kwargs) -> tuple[KVStore, list[BlobName], list[torch.Tensor]]:
     store = KVStore(LocalDir(Path(tmp)), "f" * 64, device=device, **kwargs)
     gen = torch.Generator().manual_seed(0)
     names, kvs = [], []
     for i in range(4):
         k, v = torch.randn(2, 2, 5 + i, 2, 8, generator=gen).to(BF16)
-        store.put(f"fact-{i}", k, v, list(range(5 + i)), window=0)
-        names.append(f"fact-{i}")
+        names.append(fact_blob(i))
+        store.put(names[i], k, v, list(range(5 + i)), window=0)
         kvs.append(torch.stack([k, v]))
     return store, names, kvs
 

@@ -1,6 +1,6 @@
-"""The documentation holds together: the configuration page is what the settings generate, every
-relative link resolves, every page is reachable from the README, every results file is cited, and
-the README stays a page for users."""
+"""The documentation holds together: the configuration page is what the settings generate (every
+setting described), every relative link resolves, every page is reachable from the README, every
+results file is cited, and the README stays a page for users."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def test_configuration_page_is_generated_from_the_settings():
     assert page == configuration_markdown(), (
         "docs/configuration.md is out of date with inferscale/core/settings.py: run "
         "`python -m inferscale.core.settings_doc`")
+
+
+def test_every_setting_is_described_and_the_page_opens_with_a_section():
+    """The page is generated from ``Field(description=...)``: no setting without one, and the
+    sections name fields (the first field opens the first one)."""
+    from inferscale.core.settings import Settings
+
+    fields = Settings.model_fields
+    assert [name for name, field in fields.items() if not field.description] == []
+    assert set(Settings.SECTIONS) <= set(fields) and next(iter(fields)) in Settings.SECTIONS
 
 
 def test_every_relative_link_points_to_a_file():

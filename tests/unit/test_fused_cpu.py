@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvcases import every_e4m3_code, kv_case, rope_config, window_slots
 from vllm import _custom_ops as ops
 
+from inferscale.contracts.blob_name import BlobName, fact_blob
 from inferscale.contracts.kv_format import FORMATS, as_piece
 from inferscale.kv import fused as kvwrite
 from inferscale.kv.chain import LayerSlots
@@ -244,7 +245,7 @@ def test_connector_keeps_the_portable_path_when_the_probe_cannot_run(monkeypatch
     assert worker.fused_writer(layers) is None
 
 
-def _stored_fact(worker, name: str, tokens: int):
+def _stored_fact(worker, name: BlobName, tokens: int):
     """A blob of ``tokens`` random bf16 tokens in the worker's store, and its segment."""
     from inferscale.contracts.plan import Segment
 
@@ -264,7 +265,7 @@ def test_a_group_keeps_no_block_before_its_window_and_nothing_is_written_there(t
     from inferscale.serving.connector_scheduler import LoadSpec
 
     worker, layers = _worker_half(tmp_path, "vec", layer_groups=[0, 1])
-    kv, segment = _stored_fact(worker, "fact-a", 40)
+    kv, segment = _stored_fact(worker, fact_blob(1), 40)
     spec = LoadSpec("req-a", 0, 40, [segment], block_ids=[[1, 2], [0, 3]], asynchronous=True)
     worker.load([spec], SimpleNamespace(no_compile_layers=dict(
         (f"model.layers.{i}.self_attn.attn", layer) for i, layer in layers)))
@@ -292,7 +293,7 @@ def test_a_failed_load_is_reported_per_request_where_asynchronous_else_per_block
     from inferscale.serving.connector_scheduler import LoadSpec
 
     worker, layers = _worker_half(tmp_path, "vec", layer_groups=[0, 1])
-    missing = Segment.of("fact-missing", 0, list(range(40)))
+    missing = Segment.of(fact_blob(999), 0, list(range(40)))
     context = SimpleNamespace(no_compile_layers={})
     worker.load([LoadSpec("req-b", 0, 40, [missing], block_ids=[[1, 2], [0, 3]],
                           asynchronous=True)], context)

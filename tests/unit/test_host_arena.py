@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inferscale.contracts.blob_name import fact_blob
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.host_arena import CHUNK, GRANULE, HostArena
 from inferscale.kv.store import KVStore
@@ -93,34 +94,8 @@ def test_page_ins_decode_the_same_from_the_arena(tmp_path, host_bytes):
     writer = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn((3, 5, 2, 16), generator=g).to(torch.bfloat16) for _ in range(2))
-    stored = writer.put("3", k, v, [1] * 5, window=0)
+    stored = writer.put(fact_blob(3), k, v, [1] * 5, window=0)
     reader = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=host_bytes)
     blob = reader.get(stored.location, stored.checksum)
     assert torch.equal(blob.k, k) and torch.equal(blob.v, v)
     assert reader.arena.mapped == CHUNK  # with no host tier too (PAGE_IN_ARENA_MIN)
-
-
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_bench_pagein_times_each_kind_of_memory_and_format(tiny_models, tmp_path, kind):
-    """Gemma 3 (windows of 32 tokens, 132 injected): also the write within the windows."""
-    from inferscale.core.settings import Settings
-    from inferscale.kv import fused
-    from inferscale.lab.bench import pagein
-
-    report = pagein.run(Settings(kv_url=None), tiny_models[kind], tmp_path, ks=(3,),
-                        formats=("raw", "int4"))
-    raw, int4 = report["results"]
-    assert (raw["format"], int4["format"]) == ("raw", "int4")
-    assert int4["blob_bytes"] < raw["blob_bytes"] / 2
-    for row in (raw, int4):
-        assert row["tier"] == "local directory" and row["k"] == 3
-        for column in ("host_tier_ms", "sequential_ms", "fresh_buffers_ms", "concurrent_ms",
-                       "reused_ms", "cold_sequential_ms", "cold_concurrent_ms",
-                       "cold_concurrent_on_threads_ms", "disk_sequential_ms", "disk_concurrent_ms",
-                       "disk_concurrent_on_threads_ms", "concurrent_speedup_vs_raw",
-                       "cold_concurrent_speedup_vs_raw", "disk_concurrent_speedup_vs_raw"):
-            assert row[column] > 0
-        assert (row["fused_write_ms"] is None) == (not fused.available())
-        windows = fused.available() and kind == "gemma3"
-        assert (row["fused_write_windows_ms"] is not None) == windows
-    assert (tmp_path / "pagein.json").exists()

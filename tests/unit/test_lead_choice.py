@@ -4,7 +4,7 @@ served order that puts one of them first."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.contracts.plan import holds_lead
+from inferscale.contracts.blob_name import holds_lead
 from inferscale.db.reads import RetrievedFact
 from inferscale.serving.compose import lead_first
 

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from inferscale.core.settings import Settings
 from inferscale.serving.access import Access
-from inferscale.serving.memory_api import _after, _cursor, build_router
+from inferscale.serving.memory_api import _after, _cursor, serve_memory
 
 
 class _NoDatabase:
@@ -35,11 +35,11 @@ class _NoDatabase:
 @pytest.fixture
 def client_and_service():
     service = _NoDatabase(Settings(api_keys={
-        "alice-key": ["alice"], "admin": ["*"],
+        "alice-key": ["alice"], "bob-key": ["bob"], "admin": ["*"],
         "reader": {"owners": ["alice"], "read_only": True},
         "planner": {"owners": ["alice"], "agents": ["planner"]}}))
     app = FastAPI()
-    app.include_router(build_router(service))
+    serve_memory(app, service)
     return TestClient(app, raise_server_exceptions=False), service
 
 
@@ -129,3 +129,60 @@ def test_cursors_round_trip_and_foreign_ones_are_refused():
         with pytest.raises(HTTPException) as refused:
             _after(bad)
         assert refused.value.status_code == 400
+
+
+MEM0_ROUTES = [("GET", "/v1/ping/", None, False, False),
+               ("POST", "/v3/memories/add/", {"messages": [{"role": "user", "content": "x"}],
+                                              "user_id": "alice", "infer": False}, True, True),
+               ("POST", "/v3/memories/", {"filters": {"user_id": "alice"}}, False, True),
+               ("POST", "/v3/memories/search/", {"query": "x", "filters": {"user_id": "alice"}},
+                False, True),
+               ("DELETE", "/v1/memories/?user_id=alice", None, True, True),
+               ("DELETE", "/v2/entities/user/alice/", None, True, True)]
+
+
+@pytest.mark.parametrize("method, path, body, writes, owned", MEM0_ROUTES)
+def test_mem0_routes_admit_as_the_native_ones(client_and_service, method, path, body, writes,
+                                              owned):
+    """No or an unknown key: 401 on every Mem0 route; another owner: 403; a read-only key
+    writes nothing; all before any work."""
+    client, service = client_and_service
+    refusals = [({}, 401), ({"authorization": "Token nope"}, 401)]
+    if owned:
+        refusals.append(({"authorization": "Bearer bob-key"}, 403))
+    if writes:
+        refusals.append(({"authorization": "Bearer reader"}, 403))
+    for headers, status in refusals:
+        response = client.request(method, path, json=body, headers=headers)
+        assert response.status_code == status, (path, headers, response.text)
+    assert service.reached == 0
+
+
+def test_mem0_token_scheme_is_bearer_for_the_same_keys_on_mem0_paths_only():
+    from inferscale.serving.mem0_api import token_as_bearer
+
+    def auth(path: str, value: bytes) -> bytes:
+        scope = token_as_bearer({"type": "http", "path": path,
+                                 "headers": [(b"authorization", value), (b"host", b"x")]})
+        return dict(scope["headers"])[b"authorization"]
+
+    assert auth("/v3/memories/add/", b"Token k1") == b"Bearer k1"
+    assert auth("/v1/memories/12/", b"token k1") == b"Bearer k1"
+    assert auth("/v1/memory/users/alice/facts", b"Token k1") == b"Token k1"  # native: no
+    assert auth("/v1/chat/completions", b"Token k1") == b"Token k1"
+    assert auth("/v3/memories/", b"Basic k1") == b"Basic k1"
+
+
+def test_a_mem0_filter_must_name_the_owner_and_a_scoped_key_its_scope(client_and_service):
+    client, service = client_and_service
+    admin = {"authorization": "Bearer admin"}
+    planner = {"authorization": "Bearer planner"}
+    unnamed = client.post("/v3/memories/", json={"filters": {"agent_id": "a"}}, headers=admin)
+    assert unnamed.status_code == 400 and "user_id" in unnamed.text
+    wide = client.post("/v3/memories/", json={"filters": {"user_id": "alice"}}, headers=planner)
+    either = client.post("/v3/memories/", json={"filters": {"user_id": "alice", "OR": [
+        {"agent_id": "planner"}, {"agent_id": "coder"}]}}, headers=planner)
+    assert wide.status_code == either.status_code == 403 and service.reached == 0
+    named = client.post("/v3/memories/", json={"filters": {"AND": [
+        {"user_id": "alice"}, {"agent_id": "planner"}]}}, headers=planner)
+    assert named.status_code not in (401, 403) and service.reached == 1

@@ -1,6 +1,7 @@
 """The house rules the layout promises: the product never imports the lab, nor the dev stack
-(the CLI's dev commands aside: they start it), the KV path never reaches up into serving, and
-no two modules share a name."""
+(the CLI's dev commands aside: they start it), the KV path never reaches up into serving, only
+the maintenance stage maintains the durable tier, blobs are named in one module, the lab's tests
+live in tests/lab, and no two modules share a name."""
 
 import ast
 import re
@@ -98,3 +99,40 @@ def test_no_package_is_named_after_a_stdlib_module():
 
     folders = {p.parent.name for p in PRODUCT if p.name == "__init__.py"}
     assert sorted(folders & sys.stdlib_module_names) == []
+
+
+# The durable tier's upkeep: eviction under the KV budgets, model migration, the orphan sweep
+# (``workers/maintenance.py`` holds the sweep itself).
+MAINTENANCE = ("inferscale.db.kv_budget.evict_over_budget",
+               "inferscale.db.encode_queue.drop_other_models", "inferscale.db.deletion.blobs_owned")
+
+
+def test_only_the_maintenance_stage_maintains_the_durable_tier():
+    users = {str(p.relative_to(PACKAGE.parent)) for p in PRODUCT
+             if _imported(p) & set(MAINTENANCE)}
+    assert users == {"workers/maintenance.py"}
+
+
+def test_blobs_are_named_in_one_module():
+    """``contracts/blob_name.py`` spells blob names (``preamble``, ``<id>.lead``); everything
+    else, the lab included, names blobs through it."""
+    files = [p for root in (PACKAGE, Path(workers.__file__).parent) for p in root.rglob("*.py")]
+    spelled = {str(p.relative_to(PACKAGE.parent)) for p in files
+               for node in ast.walk(ast.parse(p.read_text(), str(p)))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)
+               and (node.value == "preamble" or ".lead" in node.value)}
+    assert spelled == {"inferscale/contracts/blob_name.py"}
+
+
+# What the product's tests may borrow from the lab: the stand-in for vLLM's cache update that
+# the portable chain and the fused writers are checked against.
+LAB_HELPERS = {"inferscale.lab.bench.inject", "inferscale.lab.bench.inject.flash_update"}
+
+
+def test_the_labs_tests_live_in_tests_lab():
+    tests = Path(__file__).parents[1]
+    product_tests = [p for p in tests.rglob("*.py") if tests / "lab" not in p.parents]
+    borrowed = {str(p.relative_to(tests)): sorted(
+        n for n in _imported(p) if n.startswith("inferscale.lab") and n not in LAB_HELPERS)
+        for p in product_tests}
+    assert {path: names for path, names in borrowed.items() if names} == {}

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostile import json_values, tried
+from inferscale.contracts.blob_name import PREAMBLE, BlobName, fact_blob
 from inferscale.contracts.plan import (
     PLAN_KEY,
     Plan,
@@ -24,7 +25,8 @@ FUZZ = settings(max_examples=400, deadline=None)
 
 
 def _plan() -> Plan:
-    return Plan("f" * 64, [Segment.of("preamble", 0, [1, 2, 3]), Segment.of("7", 3, [4, 5], "c")])
+    return Plan("f" * 64, [Segment.of(PREAMBLE, 0, [1, 2, 3]),
+                           Segment.of(fact_blob(7), 3, [4, 5], "c")])
 
 
 def _signed_body(body: object) -> dict:
@@ -47,7 +49,7 @@ def test_signed_plan_round_trips_and_any_tampering_is_refused():
 
 
 def test_a_segment_matches_exactly_its_own_tokens():
-    segment = Segment.of("7", 3, [4, 5, 70_000])
+    segment = Segment.of(fact_blob(7), 3, [4, 5, 70_000])
     assert segment.end == 6 and segment.matches([4, 5, 70_000])
     assert segment.matches((4, 5, 70_000))  # any sequence of the same ids
     for other in ([4, 5], [4, 5, 70_000, 0], [5, 4, 70_000], [4, 5, 70_000 + 2**32], []):
@@ -97,7 +99,7 @@ def test_signed_malformed_plans_raise_plan_error_or_parse_typed(body):
     assert isinstance(plan.fingerprint, str) and type(plan.key_scales) is float
     assert 0 <= plan.key_scales <= 1
     for segment in plan.segments:
-        assert isinstance(segment.name, str) and type(segment.start) is int
+        assert isinstance(segment.name, BlobName) and type(segment.start) is int
         assert type(segment.length) is int and segment.length >= 1
         assert isinstance(segment.digest, str)
 
@@ -142,17 +144,17 @@ def test_the_plan_check_asks_the_durable_tier_once_per_present_blob(tmp_path, mo
     asked: list[str] = []
     exists = store.durable.exists
     monkeypatch.setattr(store.durable, "exists", lambda loc: asked.append(loc) or exists(loc))
-    plan = Plan("f" * 64, [Segment.of("present-0", 0, [1, 2, 3]),
-                           Segment.of("present-1", 3, [4, 5])])
+    plan = Plan("f" * 64, [Segment.of(fact_blob(10), 0, [1, 2, 3]),
+                           Segment.of(fact_blob(11), 3, [4, 5])])
     request = SimpleNamespace(request_id="p", kv_transfer_params={PLAN_KEY: sign(plan, SECRET)},
                               prompt_token_ids=[1, 2, 3, 4, 5, 6])
     kv = torch.zeros((2, 3, 1, 4), dtype=torch.bfloat16)
-    store.put("present-0", kv, kv.clone(), [1, 2, 3], window=0)
+    store.put(fact_blob(10), kv, kv.clone(), [1, 2, 3], window=0)
     assert scheduler_side.matched_tokens(request, 0) == (3, False)
-    assert len(asked) == 2  # present-0 found, present-1 missing
+    assert len(asked) == 2  # fact 10 found, fact 11 missing
     assert scheduler_side.matched_tokens(request, 0) == (3, False)
     assert len(asked) == 3  # only the missing one again
-    store.put("present-1", kv[:, :2], kv[:, :2].clone(), [4, 5], window=0)
+    store.put(fact_blob(11), kv[:, :2], kv[:, :2].clone(), [4, 5], window=0)
     assert scheduler_side.matched_tokens(request, 0) == (5, False)
     assert scheduler_side.matched_tokens(request, 0) == (5, False)
     assert len(asked) == 4
@@ -163,8 +165,8 @@ def _planned(scheduler_side, request_id: str) -> SimpleNamespace:
     import torch
 
     kv = torch.zeros((2, 3, 1, 4), dtype=torch.bfloat16)
-    stored = scheduler_side.store.put("fact-1", kv, kv.clone(), [1, 2, 3], window=0)
-    plan = Plan("f" * 64, [Segment.of("fact-1", 0, [1, 2, 3], stored.checksum)])
+    stored = scheduler_side.store.put(fact_blob(1), kv, kv.clone(), [1, 2, 3], window=0)
+    plan = Plan("f" * 64, [Segment.of(fact_blob(1), 0, [1, 2, 3], stored.checksum)])
     return SimpleNamespace(request_id=request_id, prompt_token_ids=[1, 2, 3, 4, 5],
                            kv_transfer_params={PLAN_KEY: sign(plan, SECRET)})
 

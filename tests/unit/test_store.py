@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from hostile import open_under, tried
 from inferscale.contracts.blob import KVBlob
-from inferscale.contracts.plan import lead_name
+from inferscale.contracts.blob_name import fact_blob, lead_blob
 from inferscale.kv.durable import READ_BATCH, LocalDir
 from inferscale.kv.store import (
     BlobMissing,
@@ -29,10 +29,10 @@ def _kv(tokens=5, seed=0):
 def test_round_trip_and_tiers(tmp_path):
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     k, v = _kv()
-    assert not store.exists("42")
-    stored = store.put("42", k, v, [1, 2, 3, 4, 5], window=5)
-    assert store.exists("42") and not store.exists("43")
-    assert torch.equal(store.load("42", stored.checksum).v, v)  # by name, through the tiers
+    assert not store.exists(fact_blob(42))
+    stored = store.put(fact_blob(42), k, v, [1, 2, 3, 4, 5], window=5)
+    assert store.exists(fact_blob(42)) and not store.exists(fact_blob(43))
+    assert torch.equal(store.load(fact_blob(42), stored.checksum).v, v)  # by name, via the tiers
     assert (tmp_path / stored.location).exists() and stored.nbytes > k.nbytes + v.nbytes
     assert not list(tmp_path.rglob("*.tmp"))
     fresh = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
@@ -45,7 +45,7 @@ def test_round_trip_and_tiers(tmp_path):
 
 def test_corrupted_blob_raises_checksum_error(tmp_path):
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
-    stored = store.put("7", *_kv(), [1, 2, 3, 4, 5], window=0)
+    stored = store.put(fact_blob(7), *_kv(), [1, 2, 3, 4, 5], window=0)
     path = tmp_path / stored.location
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0xFF
@@ -61,7 +61,7 @@ def test_corrupted_blob_raises_checksum_error(tmp_path):
 
 def test_fingerprint_mismatch_is_refused(tmp_path):
     made_for_a = KVStore(LocalDir(tmp_path), "a" * 64, host_bytes=1 << 20)
-    stored = made_for_a.put("1", *_kv(), [1] * 5, window=0)
+    stored = made_for_a.put(fact_blob(1), *_kv(), [1] * 5, window=0)
     with pytest.raises(FingerprintMismatch):
         KVStore(LocalDir(tmp_path), "b" * 64, host_bytes=1 << 20).get(stored.location)
 
@@ -80,7 +80,7 @@ def test_lru_keeps_within_byte_budget():
 
 def test_delete_removes_every_tier(tmp_path):
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
-    stored = store.put("9", *_kv(), [1] * 5, window=0)
+    stored = store.put(fact_blob(9), *_kv(), [1] * 5, window=0)
     store.get(stored.location)
     assert store.delete([stored.location]) == 1
     assert stored.location not in store.host and not (tmp_path / stored.location).exists()
@@ -91,7 +91,7 @@ def test_a_batch_of_page_ins_reads_what_a_single_get_reads(tmp_path):
     single ``get`` would."""
     durable = LocalDir(tmp_path)
     writer = KVStore(durable, "f" * 64, host_bytes=0)
-    stored = [writer.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(4)]
+    stored = [writer.put(fact_blob(i), *_kv(seed=i), [i] * 5, window=0) for i in range(4)]
     (tmp_path / "ffffffffffffffff" / "folder.safetensors").mkdir()
     reader = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     locations = [s.location for s in stored]
@@ -132,8 +132,8 @@ def test_page_ins_read_in_batches_are_checked_as_any_other(tmp_path):
     refuse a damaged or unexpected blob."""
     writer = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
     n = 2 * READ_BATCH + 3
-    stored = [writer.put(str(i), *_kv(seed=i), [i] * 5, window=0) for i in range(n)]
-    big = writer.put(str(n), *_kv(tokens=4200, seed=n), [n] * 4200, window=0)
+    stored = [writer.put(fact_blob(i), *_kv(seed=i), [i] * 5, window=0) for i in range(n)]
+    big = writer.put(fact_blob(n), *_kv(tokens=4200, seed=n), [n] * 4200, window=0)
     durable = LocalDir(tmp_path)
     hostile = ["ffffffffffffffff/00/gone.safetensors", "ffffffffffffffff/folder.safetensors",
                "..", "a/../../etc/passwd", "", "\0", "/abs"]
@@ -154,7 +154,7 @@ def test_page_ins_read_in_batches_are_checked_as_any_other(tmp_path):
     locations.append(big.location)
     assert set(locations[1::2]) <= set(split.slow)  # each blob read once, one way or the other
     assert sorted(split.batched + split.slow) == sorted(locations)
-    rewritten = writer.put("2", *_kv(seed=9), [9] * 5, window=0)
+    rewritten = writer.put(fact_blob(2), *_kv(seed=9), [9] * 5, window=0)
     with pytest.raises(ChecksumMismatch):  # a batched read of a blob not the one expected
         KVStore(_SlowOdd(tmp_path), "f" * 64, host_bytes=0).get_many(
             [locations[2], locations[1]], [stored[2].checksum, stored[1].checksum])
@@ -169,9 +169,9 @@ def test_page_ins_read_in_batches_are_checked_as_any_other(tmp_path):
 
 def test_a_lead_blob_lives_and_dies_with_its_fact(tmp_path):
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
-    fact = store.put("9", *_kv(), [1] * 5, window=2)
-    lead = store.put(lead_name(9), *_kv(), [1] * 5, window=0)
-    other = store.put("19", *_kv(), [1] * 5, window=2)
+    fact = store.put(fact_blob(9), *_kv(), [1] * 5, window=2)
+    lead = store.put(lead_blob(9), *_kv(), [1] * 5, window=0)
+    other = store.put(fact_blob(19), *_kv(), [1] * 5, window=2)
     assert lead.location.rsplit("/", 1)[0] == fact.location.rsplit("/", 1)[0]
     assert sorted(store.fact_blobs()) == sorted([(9, fact.location), (9, lead.location),
                                                  (19, other.location)])
@@ -194,7 +194,7 @@ def test_damaged_blobs_are_refused_with_a_blob_error_only(tmp_path, edits, cut):
     """The blob loader under byte edits and truncation: the intact blob or KVBlobError."""
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
     k = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).reshape(2, 3, 2, 4)
-    stored = store.put("fuzz", k, -k, [5, 6, 7], window=1)
+    stored = store.put(fact_blob(3), k, -k, [5, 6, 7], window=1)
     path = tmp_path / stored.location
     raw = bytearray(path.read_bytes())
     for offset, patch in edits:
@@ -215,11 +215,11 @@ def test_a_rewritten_blob_is_served_only_under_the_checksum_expected(tmp_path):
     durable blob is the new one."""
     server = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     worker = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
-    old = worker.put("7", *_kv(seed=1), [1] * 5, window=2)
+    old = worker.put(fact_blob(7), *_kv(seed=1), [1] * 5, window=2)
     assert torch.equal(server.get(old.location, old.checksum).k, _kv(seed=1)[0])  # held now
-    new = worker.put("7", *_kv(seed=2), [1] * 5, window=2)
+    new = worker.put(fact_blob(7), *_kv(seed=2), [1] * 5, window=2)
     assert new.location == old.location and new.checksum != old.checksum
-    assert torch.equal(server.load_many(["7"], [new.checksum])[0].k, _kv(seed=2)[0])
+    assert torch.equal(server.load_many([fact_blob(7)], [new.checksum])[0].k, _kv(seed=2)[0])
     assert server.host.get(new.location).checksum == new.checksum  # the new copy replaced it
     assert torch.equal(server.get(new.location).k, _kv(seed=2)[0])  # no expectation: any copy
     with pytest.raises(ChecksumMismatch):
@@ -231,7 +231,7 @@ def test_a_store_without_host_tier_reuses_page_in_memory(tmp_path):
     reuses the block once the last blob is gone (no fresh memory to fault in per request)."""
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=0)
     k, v = _kv(tokens=300)
-    stored = store.put("7", k, v, list(range(300)), window=5)
+    stored = store.put(fact_blob(7), k, v, list(range(300)), window=5)
     first = store.get(stored.location, stored.checksum)
     assert len(store.host) == 0 and torch.equal(first.k, k)
     address = first.k.data_ptr()
@@ -252,18 +252,18 @@ def test_one_store_serves_blobs_of_every_format_and_keeps_them_coded(tmp_path):
     assert set(get_args(KVFormat)) == set(FORMATS)  # the setting names every format
     store = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20)
     k, v = _kv(tokens=8)
-    stored = {f: store.put(f"1{n}", k, v, list(range(8)), window=0, kv_format=f)
+    stored = {f: store.put(fact_blob(10 + n), k, v, list(range(8)), window=0, kv_format=f)
               for n, f in enumerate(FORMATS)}
     for n, (kv_format, blob_info) in enumerate(stored.items()):
         blob = KVStore(LocalDir(tmp_path), "f" * 64, host_bytes=1 << 20).load(
-            f"1{n}", blob_info.checksum)
+            fact_blob(10 + n), blob_info.checksum)
         assert blob.shape == tuple(k.shape) and blob.dtype == torch.bfloat16
         got_k, got_v = blob.dequantized()
         tolerance = {"raw": 0.0, "int8": 0.05, "fp8": 0.25, "int4": 0.6, "int2": 2.5}[kv_format]
         assert (got_k.float() - k.float()).abs().max() <= tolerance
         assert (got_v.float() - v.float()).abs().max() <= tolerance
-    raw_bytes = store.load("10").nbytes
-    assert store.load("12").nbytes < raw_bytes / 2  # int4 (and its params), as held in memory
+    raw_bytes = store.load(fact_blob(10)).nbytes
+    assert store.load(fact_blob(12)).nbytes < raw_bytes / 2  # int4 (and its params), held
 
 
 @pytest.mark.parametrize(("name", "value"), [

@@ -39,6 +39,23 @@ def settings_differing(settings: Settings) -> dict:
     return out
 
 
+def source() -> dict:
+    """The commit the figures were made with (and whether the tree had changes), where the
+    package runs from a git checkout; None outside one."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], check=True, capture_output=True,
+                               text=True, timeout=10).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+    return {"commit": commit, "dirty": dirty}
+
+
 def percentile(values: list[float], q: int) -> float | None:
     """The q-th percentile (inclusive method); the value itself for one sample, None for none."""
     if not values:
@@ -49,10 +66,10 @@ def percentile(values: list[float], q: int) -> float | None:
 
 
 def write_report(out_dir: Path, name: str, report: dict) -> Path:
-    """Save a benchmark report as JSON; returns the path."""
+    """Save a benchmark report as JSON (with the machine and the commit); returns the path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **report}, indent=2))
+    path.write_text(json.dumps({"machine": machine(), "source": source(), **report}, indent=2))
     return path
 
 

@@ -7,8 +7,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from inferscale.contracts.blob_name import BlobName, FactId
 from inferscale.contracts.fingerprint import model_fingerprint
-from inferscale.contracts.plan import LEAD
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
@@ -36,7 +36,7 @@ def run(model_path: Path, data: Path, out_dir: Path, facts: int = 64,
             lead_s = 0.0
             if window:
                 leads = [encoder.fact_item(texts[i], []) for i in range(start, start + facts)]
-                lead_s = sum(_encode_and_write(encoder, store, leads, batch_size, 0, LEAD)[:2])
+                lead_s = sum(_encode_and_write(encoder, store, leads, batch_size, 0, lead=True)[:2])
         total = forward_s + write_s
         fact_tokens = sum(len(i.span_ids) for i in items)
         all_tokens = sum(len(i.prefix_ids) + len(i.span_ids) for i in items)
@@ -65,7 +65,7 @@ def run(model_path: Path, data: Path, out_dir: Path, facts: int = 64,
 
 
 def _encode_and_write(encoder: FactEncoder, store: KVStore, items: list, batch_size: int,
-                      window: int, suffix: str = "") -> tuple[float, float, int]:
+                      window: int, lead: bool = False) -> tuple[float, float, int]:
     """Encode ``items`` in batches and write their blobs: (forward s, write s, bytes)."""
     forward_s = write_s = 0.0
     nbytes = 0
@@ -74,7 +74,7 @@ def _encode_and_write(encoder: FactEncoder, store: KVStore, items: list, batch_s
         spans = encoder.encode(items[b:b + batch_size])
         t1 = time.perf_counter()
         for n, span in enumerate(spans):
-            nbytes += store.put(f"{b + n}{suffix}", span.k, span.v, span.token_ids,
+            nbytes += store.put(BlobName(FactId(b + n), lead), span.k, span.v, span.token_ids,
                                 window).nbytes
         write_s += time.perf_counter() - t1
         forward_s += t1 - t0

@@ -34,6 +34,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from inferscale.contracts.blob_name import BlobName, FactId, fact_blob
 from inferscale.kv import fused as kvwrite
 from inferscale.kv.chain import CacheUpdate, ChainWriter
 from inferscale.kv.durable import LocalDir
@@ -103,10 +104,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _write_blobs(store: KVStore, shape: tuple[int, int, int], n: int) -> list[str]:
+def _write_blobs(store: KVStore, shape: tuple[int, int, int], n: int) -> list[BlobName]:
     layers, heads, dim = shape
     gen = torch.Generator().manual_seed(0)
-    names = [f"inject-{uuid.uuid4().hex[:8]}" for _ in range(n)]
+    names = [fact_blob(FactId(uuid.uuid4().int >> 65)) for _ in range(n)]  # unused ids
     for name in names:
         k, v = (torch.randn((layers, TOKENS_PER_FACT, heads, dim), generator=gen).to(
             torch.bfloat16) for _ in range(2))
@@ -157,7 +158,7 @@ def _writers(stores: dict[str, KVStore], rope: ChunkedRope, caches: list[torch.T
     return out, fused.name if fused else None
 
 
-def _request(store: KVStore, write: Write, names: list[str], positions: torch.Tensor,
+def _request(store: KVStore, write: Write, names: list[BlobName], positions: torch.Tensor,
              slots: torch.Tensor, scales: torch.Tensor, device: torch.device
              ) -> dict[str, float]:
     """One request's injection, in ms: ``load`` and ``launch`` on the host, ``wall`` until the

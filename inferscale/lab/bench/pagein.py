@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from inferscale.contracts.blob_name import BlobName, FactId, fact_blob
 from inferscale.contracts.kv_format import FORMATS, RAW
 from inferscale.core.settings import Settings
 from inferscale.kv import fused
@@ -43,12 +44,12 @@ FINGERPRINT = "b" * 64
 
 
 def _write_blobs(durable: Durable, shape: tuple[int, int, int], dtype: torch.dtype,
-                 n: int, kv_format: str) -> tuple[list[str], int]:
+                 n: int, kv_format: str) -> tuple[list[BlobName], int]:
     """``n`` blobs of random K/V stored in ``kv_format``: their names and mean bytes."""
     store = KVStore(durable, FINGERPRINT, host_bytes=0)
     layers, heads, dim = shape
     g = torch.Generator().manual_seed(0)
-    names = [f"bench-{uuid.uuid4().hex[:8]}" for _ in range(n)]
+    names = [fact_blob(FactId(uuid.uuid4().int >> 65)) for _ in range(n)]  # unused ids
     nbytes = 0
     for name in names:
         k, v = (torch.randn((layers, TOKENS_PER_FACT, heads, dim), generator=g).to(dtype)
@@ -67,7 +68,7 @@ def _timed_ms(write: Callable[[], None]) -> float:
     return statistics.median(samples[1:]) * 1e3
 
 
-def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]
+def _write_ms(config: PretrainedConfig, store: KVStore, names: list[BlobName]
               ) -> tuple[float | None, float | None]:
     """Median ms of the fused CPU write (rotate, scale, dequantise, store) of these blobs into
     a paged cache of vLLM's "vec" layout, and (models with sliding windows) of the write the
@@ -98,7 +99,7 @@ def _write_ms(config: PretrainedConfig, store: KVStore, names: list[str]
     return whole, _timed_ms(lambda: writer.write(pieces, positions, slots, None, caches))
 
 
-def _page_in_s(store: KVStore, names: list[str], concurrent: bool) -> float:
+def _page_in_s(store: KVStore, names: list[BlobName], concurrent: bool) -> float:
     """Seconds to page these blobs in: concurrently (as the connector does) or one by one."""
     began = time.perf_counter()
     if concurrent:
@@ -109,7 +110,7 @@ def _page_in_s(store: KVStore, names: list[str], concurrent: bool) -> float:
     return time.perf_counter() - began
 
 
-def _request_ms(durable: Durable, names: list[str], concurrent: bool, memory: str) -> float:
+def _request_ms(durable: Durable, names: list[BlobName], concurrent: bool, memory: str) -> float:
     """Median ms to page one request's blobs in. ``memory``: ``warm`` (host-tier hits),
     ``arena`` (a new store each time: its arena maps new chunks), ``fresh`` (a new store
     without an arena) or ``reused`` (one store whose host tier evicted the blobs: their arena

@@ -43,7 +43,7 @@ from inferscale.devstack.chat_client import parse_metrics, totals
 from inferscale.devstack.stack import prepare, sharing_cores
 from inferscale.kv.store import KVStore
 from inferscale.lab.bench import cost, soak_checks
-from inferscale.lab.bench.common import print_table, settings_differing, write_report
+from inferscale.lab.bench.common import print_table, settings_differing, source, write_report
 from inferscale.lab.bench.soak_load import LoadLog, client_loop, publish_loop
 from inferscale.lab.bench.soak_population import Population, build
 from inferscale.lab.bench.soak_timeline import Accumulator, per_minute, plot, summarise
@@ -342,7 +342,7 @@ def _model_comparison(settings: Settings, config: SoakConfig, live: dict) -> dic
 async def soak(settings: Settings, data: Path, out_dir: Path, config: SoakConfig,
                restarts: Restarts) -> dict:
     """The run on infrastructure ``settings`` points at; the report."""
-    code_commit = commit()  # the code that runs (a commit made during the run is not it)
+    code_commit = source()["commit"]  # the code that runs (not a commit made during the run)
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = out_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -527,14 +527,6 @@ def passed(checks: dict) -> bool:
             and not checks["stale_answers"] and not checks["foreign_answers"]
             and budget["samples"] > 0  # a check that never ran holds nothing
             and not budget["tier_over_bound"] and not budget["user_over_bound"])
-
-
-def commit() -> str | None:
-    """The checkout's commit (None outside a git checkout)."""
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    return None
 
 
 def run(settings: Settings, data: Path, out_dir: Path, config: SoakConfig) -> dict:

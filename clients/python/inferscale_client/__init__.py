@@ -1,0 +1,18 @@
+"""The InferScale memory API's Python client, without the engine: ``httpx`` and ``pydantic``
+only (the ``mcp`` extra adds the MCP server, ``mcp_main.py``)."""
+
+from inferscale_client.memory_client import AsyncMemoryClient, MemoryAPIError, MemoryClient
+from inferscale_client.results import (
+    Deleted,
+    Fact,
+    FactKV,
+    FactPage,
+    Forgotten,
+    RefusedTurn,
+    Result,
+    SearchHit,
+    TurnsAdded,
+)
+
+__all__ = ["AsyncMemoryClient", "Deleted", "Fact", "FactKV", "FactPage", "Forgotten",
+           "MemoryAPIError", "MemoryClient", "RefusedTurn", "Result", "SearchHit", "TurnsAdded"]

@@ -1,0 +1,196 @@
+"""The memory API of one server over HTTP, blocking (``MemoryClient``) and asyncio
+(``AsyncMemoryClient``), with typed results (``results.py``).
+
+>>> with MemoryClient("http://127.0.0.1:8000", api_key="...") as memory:
+...     page = memory.list_facts("alice")
+...     memory.edit_fact("alice", page.facts[0].id, "Alice moved to Lisbon in May 2025.")
+
+Both build the same requests (``routes.py``). A refused request raises ``MemoryAPIError`` with
+the server's status and message. With no ``api_key`` they send ``INFERSCALE_API_KEY``, or for
+a server on this machine the local admin key (``keys.py``; ``data_dir``: where it is).
+``agent_id`` / ``run_id`` scope what a call writes and filter what it reads (None: any).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from inferscale_client import routes
+from inferscale_client.keys import key_for
+from inferscale_client.results import (
+    Deleted,
+    Fact,
+    FactPage,
+    Forgotten,
+    SearchHit,
+    TurnsAdded,
+)
+
+T = TypeVar("T")
+
+
+class MemoryAPIError(Exception):
+    """The server refused a request: its HTTP status and message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _read(response: httpx.Response, call: routes.Call[T]) -> T:
+    if response.status_code >= 400:
+        try:
+            payload = response.json()
+            detail = payload.get("detail") or payload.get("error", {}).get("message")
+        except (ValueError, AttributeError):
+            detail = None
+        raise MemoryAPIError(response.status_code, str(detail or response.text))
+    return call.read(response.json())
+
+
+def _headers(base_url: str, api_key: str | None, data_dir: Path | None) -> dict[str, str]:
+    key = api_key if api_key is not None else key_for(base_url, data_dir)
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+class MemoryClient:
+    """The memory API of one server, over HTTP (blocking)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
+                 transport: httpx.BaseTransport | None = None, data_dir: Path | None = None):
+        self._http = httpx.Client(base_url=base_url.rstrip("/"),
+                                  headers=_headers(base_url, api_key, data_dir), timeout=timeout,
+                                  transport=transport)
+
+    def _send(self, call: routes.Call[T]) -> T:
+        return _read(self._http.request(call.method, call.path, params=call.params,
+                                        json=call.body), call)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> MemoryClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def list_facts(self, user: str, limit: int = 50, cursor: str | None = None,
+                   agent_id: str | None = None, run_id: str | None = None) -> FactPage:
+        """One page of the owner's live facts and the cursor of the next (None: the last)."""
+        return self._send(routes.list_facts(user, limit, cursor, agent_id, run_id))
+
+    def iter_facts(self, user: str, page: int = 200, agent_id: str | None = None,
+                   run_id: str | None = None) -> Iterator[Fact]:
+        """Every live fact of the owner, page by page."""
+        cursor = None
+        while True:
+            result = self.list_facts(user, page, cursor, agent_id, run_id)
+            yield from result.facts
+            if (cursor := result.next_cursor) is None:
+                return
+
+    def get_fact(self, user: str, fact_id: int) -> Fact:
+        return self._send(routes.get_fact(user, fact_id))
+
+    def history(self, user: str, fact_id: int) -> list[Fact]:
+        """The fact's versions, oldest first."""
+        return self._send(routes.history(user, fact_id))
+
+    def search(self, user: str, query: str, k: int = 10, agent_id: str | None = None,
+               run_id: str | None = None) -> list[SearchHit]:
+        """The owner's k facts the server would retrieve for ``query``, with scores."""
+        return self._send(routes.search(user, query, k, agent_id, run_id))
+
+    def add_fact(self, user: str, text: str, conversation_id: str = "operator",
+                 agent_id: str | None = None, run_id: str | None = None) -> Fact:
+        """A fact given directly (admin keys only)."""
+        return self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id))
+
+    def edit_fact(self, user: str, fact_id: int, text: str) -> Fact:
+        """The new version of the fact (a new id, ``replaces`` the old one, now retired)."""
+        return self._send(routes.edit_fact(user, fact_id, text))
+
+    def delete_fact(self, user: str, fact_id: int) -> Deleted:
+        return self._send(routes.delete_fact(user, fact_id))
+
+    def add_turns(self, user: str, turns: list[dict[str, Any]], agent_id: str | None = None,
+                  run_id: str | None = None) -> TurnsAdded:
+        """Publish turns (``conversation_id``, ``turn_id``, ``speaker``, ``text``,
+        ``timestamp`` each; a turn's own ``agent_id`` / ``run_id`` win over the call's): which
+        were accepted, which refused and why."""
+        return self._send(routes.add_turns(user, turns, agent_id, run_id))
+
+    def forget(self, user: str) -> Forgotten:
+        return self._send(routes.forget(user))
+
+
+class AsyncMemoryClient:
+    """The memory API of one server, over HTTP (asyncio); the same methods as
+    ``MemoryClient``."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 data_dir: Path | None = None):
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"),
+                                       headers=_headers(base_url, api_key, data_dir),
+                                       timeout=timeout, transport=transport)
+
+    async def _send(self, call: routes.Call[T]) -> T:
+        return _read(await self._http.request(call.method, call.path, params=call.params,
+                                              json=call.body), call)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncMemoryClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def list_facts(self, user: str, limit: int = 50, cursor: str | None = None,
+                         agent_id: str | None = None, run_id: str | None = None) -> FactPage:
+        return await self._send(routes.list_facts(user, limit, cursor, agent_id, run_id))
+
+    async def iter_facts(self, user: str, page: int = 200, agent_id: str | None = None,
+                         run_id: str | None = None) -> AsyncIterator[Fact]:
+        cursor = None
+        while True:
+            result = await self.list_facts(user, page, cursor, agent_id, run_id)
+            for fact in result.facts:
+                yield fact
+            if (cursor := result.next_cursor) is None:
+                return
+
+    async def get_fact(self, user: str, fact_id: int) -> Fact:
+        return await self._send(routes.get_fact(user, fact_id))
+
+    async def history(self, user: str, fact_id: int) -> list[Fact]:
+        return await self._send(routes.history(user, fact_id))
+
+    async def search(self, user: str, query: str, k: int = 10, agent_id: str | None = None,
+                     run_id: str | None = None) -> list[SearchHit]:
+        return await self._send(routes.search(user, query, k, agent_id, run_id))
+
+    async def add_fact(self, user: str, text: str, conversation_id: str = "operator",
+                       agent_id: str | None = None, run_id: str | None = None) -> Fact:
+        return await self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id))
+
+    async def edit_fact(self, user: str, fact_id: int, text: str) -> Fact:
+        return await self._send(routes.edit_fact(user, fact_id, text))
+
+    async def delete_fact(self, user: str, fact_id: int) -> Deleted:
+        return await self._send(routes.delete_fact(user, fact_id))
+
+    async def add_turns(self, user: str, turns: list[dict[str, Any]],
+                        agent_id: str | None = None, run_id: str | None = None) -> TurnsAdded:
+        return await self._send(routes.add_turns(user, turns, agent_id, run_id))
+
+    async def forget(self, user: str) -> Forgotten:
+        return await self._send(routes.forget(user))

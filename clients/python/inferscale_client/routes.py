@@ -1,0 +1,100 @@
+"""The memory API's requests, one builder per route, each with how its response is read.
+
+Both clients (``memory_client.py``) send these; only how they are sent differs. Owner ids are
+quoted into the path whatever they hold; the server validates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+from pydantic import TypeAdapter
+
+from inferscale_client.results import (
+    Deleted,
+    Fact,
+    FactPage,
+    Forgotten,
+    SearchHit,
+    TurnsAdded,
+)
+
+T = TypeVar("T")
+API = "/v1/memory"
+_HITS = TypeAdapter(list[SearchHit])
+_VERSIONS = TypeAdapter(list[Fact])
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and the reader of its 2xx body."""
+
+    method: str
+    path: str
+    read: Callable[[Any], T]
+    params: dict[str, Any] = field(default_factory=dict)
+    body: dict[str, Any] | None = None
+
+
+def _user(user: str) -> str:
+    """The owner's path: its id as one segment, dots escaped too (``..`` names an owner, never
+    the parent path)."""
+    return f"{API}/users/{quote(user, safe='').replace('.', '%2E')}"
+
+
+def _scope(agent_id: str | None, run_id: str | None) -> dict[str, str]:
+    return {name: value for name, value in (("agent_id", agent_id), ("run_id", run_id))
+            if value is not None}
+
+
+def list_facts(user: str, limit: int, cursor: str | None, agent_id: str | None = None,
+               run_id: str | None = None) -> Call[FactPage]:
+    params: dict[str, Any] = {"limit": limit, **_scope(agent_id, run_id)}
+    if cursor is not None:
+        params["cursor"] = cursor
+    return Call("GET", f"{_user(user)}/facts", FactPage.model_validate, params)
+
+
+def get_fact(user: str, fact_id: int) -> Call[Fact]:
+    return Call("GET", f"{_user(user)}/facts/{int(fact_id)}", Fact.model_validate)
+
+
+def history(user: str, fact_id: int) -> Call[list[Fact]]:
+    return Call("GET", f"{_user(user)}/facts/{int(fact_id)}/history",
+                lambda body: _VERSIONS.validate_python(body["versions"]))
+
+
+def search(user: str, query: str, k: int, agent_id: str | None = None,
+           run_id: str | None = None) -> Call[list[SearchHit]]:
+    return Call("POST", f"{_user(user)}/search",
+                lambda body: _HITS.validate_python(body["hits"]),
+                body={"query": query, "k": k, **_scope(agent_id, run_id)})
+
+
+def add_fact(user: str, text: str, conversation_id: str, agent_id: str | None = None,
+             run_id: str | None = None) -> Call[Fact]:
+    return Call("POST", f"{_user(user)}/facts", Fact.model_validate,
+                body={"text": text, "conversation_id": conversation_id,
+                      **_scope(agent_id, run_id)})
+
+
+def edit_fact(user: str, fact_id: int, text: str) -> Call[Fact]:
+    return Call("PATCH", f"{_user(user)}/facts/{int(fact_id)}", Fact.model_validate,
+                body={"text": text})
+
+
+def delete_fact(user: str, fact_id: int) -> Call[Deleted]:
+    return Call("DELETE", f"{_user(user)}/facts/{int(fact_id)}", Deleted.model_validate)
+
+
+def add_turns(user: str, turns: list[dict[str, Any]], agent_id: str | None = None,
+              run_id: str | None = None) -> Call[TurnsAdded]:
+    return Call("POST", f"{_user(user)}/turns", TurnsAdded.model_validate,
+                body={"turns": turns, **_scope(agent_id, run_id)})
+
+
+def forget(user: str) -> Call[Forgotten]:
+    return Call("DELETE", _user(user), Forgotten.model_validate)

@@ -1,0 +1,261 @@
+"""What the memory API's routes share, whichever dialect they speak (``memory_api.py``, the
+native one; ``mem0_api.py``, Mem0's): the service they run on and the caller's admission as
+FastAPI dependencies, and the operations on an owner's facts (read, shown with their KV tiers,
+added, edited, deleted) over that service.
+
+Admission comes before any work: a route names the owner (and scope, and whether it writes) and
+gets the key's grant or the refusal (401 / 403 / 429, ``access.py``); facts the key may not see
+in its scope are answered as if they did not exist. An edit or a delete returns once the
+database holds it and the old blobs have left the durable tier and this server's memory tiers
+(every other server's through an invalidation: ``MemoryService.drop_blobs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Any, Protocol, TypeVar
+
+from fastapi import Depends, HTTPException, Query, Request
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from inferscale.contracts.events import TurnEvent
+from inferscale.contracts.filters import (
+    EVERYTHING,
+    AllOf,
+    Condition,
+    FilterError,
+    Node,
+    parse_filter,
+    pinned,
+)
+from inferscale.contracts.scope import (
+    ANY,
+    MAX_SCOPE_CHARS,
+    SCOPE_FIELDS,
+    SCOPE_PATTERN,
+    Scope,
+    is_owner_id,
+    is_scope_value,
+)
+from inferscale.core.endpoints import InfraError, resolve_kafka_bootstrap
+from inferscale.core.settings import KeyGrant, Settings
+from inferscale.db import memory_edits
+from inferscale.db.memory_edits import FactRecord
+from inferscale.pipeline import kafka
+from inferscale.serving.access import Access, holds
+from inferscale.serving.compose import MemoryRuntime
+from inferscale.serving.guards import FrontendError
+
+STATE_KEY = "inferscale_memory"  # the service's name on the app's state
+T = TypeVar("T")
+# An owner, agent or run id as a query parameter.
+ScopeQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_SCOPE_CHARS,
+                                         pattern=SCOPE_PATTERN)]
+
+
+class MemoryService(Protocol):
+    """What the routes need of the server they run in."""
+
+    settings: Settings
+    access: Access
+
+    async def runtime(self) -> MemoryRuntime: ...
+
+    async def drop_blobs(self, user_id: str, locations: list[str]) -> int:
+        """Remove retired facts' blobs from the durable tier and every server's memory tiers;
+        returns how many this server's tiers held."""
+        ...
+
+    async def forget(self, user_id: str) -> dict[str, Any]: ...
+
+    async def memory_tiers(self, locations: list[str]) -> list[list[str]] | None:
+        """For each blob, this server's memory tiers that hold it (None: not known now)."""
+        ...
+
+
+def memory_service(request: Request) -> MemoryService:
+    """The service the app serves memory with (set by ``serve_memory``)."""
+    service: MemoryService = getattr(request.app.state, STATE_KEY)
+    return service
+
+
+Service = Annotated[MemoryService, Depends(memory_service)]
+
+
+def refusal(exc: FrontendError) -> HTTPException:
+    return HTTPException(exc.status, exc.message, exc.headers or None)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A request's credentials, admitted per owner by the routes."""
+
+    access: Access
+    headers: dict[str, str]  # lower-case keys
+    client: str | None
+
+    def admit(self, user_id: str, scope: Scope | None = ANY, write: bool = False) -> KeyGrant:
+        """The key's grant, if it may act for the owner in ``scope`` (None: checked against
+        each fact touched, with ``visible``); else the refusal."""
+        if not is_owner_id(user_id):
+            raise HTTPException(400, "owner ids are 1-256 characters, no control characters")
+        try:
+            return self.access.authorize(self.headers, user_id, scope=scope, write=write,
+                                         client=self.client)
+        except FrontendError as exc:
+            raise refusal(exc) from None
+
+    def admit_control(self) -> None:
+        """Operator-only routes: an admin key, else the refusal."""
+        try:
+            self.access.authorize_control(self.headers, self.client)
+        except FrontendError as exc:
+            raise refusal(exc) from None
+
+    def known(self) -> KeyGrant:
+        """The key's grant before any owner is known (401 for no or an unknown key); routes
+        that learn the owner from what they read admit it with ``admit`` before answering."""
+        try:
+            return self.access.caller(self.headers, self.client)[0]
+        except FrontendError as exc:
+            raise refusal(exc) from None
+
+
+def caller(request: Request, service: Service) -> Caller:
+    return Caller(service.access, {k.lower(): v for k, v in request.headers.items()},
+                  request.client.host if request.client else None)
+
+
+Admission = Annotated[Caller, Depends(caller)]
+
+
+def visible(grant: KeyGrant, record: FactRecord | None) -> FactRecord | None:
+    """The fact where the key may act in its scope (else as if it did not exist)."""
+    if record is None or not holds(grant, Scope(record.agent_id, record.run_id)):
+        return None
+    return record
+
+
+async def in_transaction(service: MemoryService,
+                         work: Callable[[AsyncConnection, str], Awaitable[T]]) -> T:
+    """``work(conn, the served model's fingerprint)`` in one transaction."""
+    rt = await service.runtime()
+    async with rt.engine.begin() as conn:
+        return await work(conn, rt.fingerprint)
+
+
+async def live_fact(service: MemoryService, grant: KeyGrant, user_id: str, fact_id: int
+                    ) -> FactRecord:
+    """One live fact of the owner the key may see (404 otherwise)."""
+    record = visible(grant, await in_transaction(
+        service, lambda conn, model: memory_edits.get_fact(conn, user_id, model, fact_id)))
+    if record is None:
+        raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
+    return record
+
+
+async def shown(service: MemoryService, records: list[FactRecord]) -> list[dict[str, Any]]:
+    """The records as JSON, each with the tiers holding its KV on this server."""
+    held_in = await service.memory_tiers([r.kv_location for r in records if r.kv_location])
+    tiers = iter(held_in or [])
+    return [r.as_json(next(tiers, None) if r.kv_location else None) for r in records]
+
+
+async def embed(service: MemoryService, text: str) -> list[float]:
+    """The text's embedding, computed off the event loop."""
+    rt = await service.runtime()
+    vector = (await asyncio.get_running_loop().run_in_executor(
+        None, rt.embedder.encode, [text]))[0]
+    return [float(x) for x in vector]
+
+
+async def add_fact(service: MemoryService, user_id: str, text: str, scope: Scope,
+                   conversation_id: str, metadata: dict[str, Any] | None = None,
+                   ts: datetime | None = None) -> FactRecord:
+    """A fact given directly (no source turn; said at ``ts``, None: now): served as text at
+    once, injected once a worker encodes it."""
+    embedding = await embed(service, text)
+    return await in_transaction(service, lambda conn, model: memory_edits.add_fact(
+        conn, user_id, model, conversation_id, text, ts or datetime.now(UTC), embedding, scope,
+        metadata))
+
+
+async def edit_fact(service: MemoryService, grant: KeyGrant, user_id: str, fact_id: int,
+                    text: str | None, metadata: dict[str, Any] | None = None) -> FactRecord:
+    """A new version of the fact (new text and / or metadata; None: the old one's) replaces
+    it; the old one is never served again once this returns (its blobs dropped
+    everywhere)."""
+    await live_fact(service, grant, user_id, fact_id)
+    embedding = None if text is None else await embed(service, text)
+    edited = await in_transaction(service, lambda conn, model: memory_edits.edit_fact(
+        conn, user_id, model, fact_id, text, embedding, metadata))
+    if edited is None:
+        raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
+    record, locations = edited
+    await service.drop_blobs(user_id, locations)
+    return record
+
+
+async def delete_where(service: MemoryService, user_id: str, where: Node, limit: int
+                       ) -> list[int]:
+    """Retire the owner's live facts passing ``where`` (at most ``limit``); their blobs leave
+    every tier. The caller admitted a key that may act on every fact the filter can select."""
+    ids, locations = await in_transaction(
+        service, lambda conn, _: memory_edits.delete_facts(conn, user_id, where, limit))
+    await service.drop_blobs(user_id, locations)
+    return ids
+
+
+async def delete_fact(service: MemoryService, grant: KeyGrant, user_id: str, fact_id: int
+                      ) -> None:
+    """Retire one live fact of the owner (404 where there is none the key may see)."""
+    await live_fact(service, grant, user_id, fact_id)
+    deleted, locations = await in_transaction(
+        service, lambda conn, _: memory_edits.delete_fact(conn, user_id, fact_id))
+    if not deleted:
+        raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
+    await service.drop_blobs(user_id, locations)
+
+
+def named_scope(scope: Scope, where: Node) -> Scope:
+    """The scope a request names: its own fields, else those its filter pins by equality (a
+    pinned value no fact could hold names nothing)."""
+    pins = pinned(where)
+    fields = {name: getattr(scope, name) or pins.get(name) for name in SCOPE_FIELDS}
+    return Scope(**{name: value for name, value in fields.items()
+                    if value is not None and is_scope_value(value)})
+
+
+def within(scope: Scope, where: Node) -> Node:
+    """``where`` and the scope's fields as equalities: one filter."""
+    conditions = tuple(Condition("id", name, "eq", value) for name, value in scope.items())
+    return AllOf((*conditions, where)) if conditions else where
+
+
+def parsed(raw: object) -> Node:
+    """A filter as a tree (400 naming what is refused; None: no filter)."""
+    if raw is None:
+        return EVERYTHING
+    try:
+        return parse_filter(raw)
+    except FilterError as exc:
+        raise HTTPException(400, f"filters: {exc}") from None
+
+
+async def publish_turns(service: MemoryService, turns: list[TurnEvent]) -> None:
+    """Publish turns to the turn topic (keyed by owner, so in order); 503 where there is no
+    broker to publish to."""
+    if not turns:
+        return
+    settings = service.settings
+    try:
+        bootstrap = resolve_kafka_bootstrap(settings)
+    except InfraError as exc:
+        raise HTTPException(503, f"no turn topic to publish to: {exc}") from None
+    security = kafka.kafka_security(settings)
+    await kafka.ensure_topics(bootstrap, [settings.turns_topic], security=security)
+    await kafka.publish_turns(bootstrap, settings.turns_topic, turns, progress=False,
+                              security=security)
