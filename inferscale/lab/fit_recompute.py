@@ -12,9 +12,8 @@ the tail's; text: all three), as a streamed request pays them.
 The fit keeps the cheapest policy (mean modelled TTFT) whose first-token agreement with text
 prefill reaches the target with 95% confidence (Wilson) and whose share of requests answered
 again stays under the bound; where none does, the most faithful one within the bound, marked as
-short of the target. It also
-returns the Pareto frontier (agreement against mean TTFT), which is what a model that cannot
-reach the target should be judged by.
+short of the target. It also returns the Pareto frontier (agreement against mean TTFT), which
+is what a model that cannot reach the target should be judged by.
 """
 
 from __future__ import annotations
