@@ -10,8 +10,8 @@ profile; the server uses the profile made for its model's fingerprint and says s
 
 A profile is JSON: ``{"model": <folder name>, "fingerprint": <sha256 of the model>,
 "recompute": {"margin": nats, "text_margin": nats, "tail": facts}, "fit": {...}}``
-(``fit``: what it was fitted on and reached; only ``fit.reached`` is read, for the start-up
-line). Where it is looked
+(``fit``: what it was fitted on and reached; only ``fit.reached`` and ``fit.target`` are read,
+for the start-up line). Where it is looked
 for (``INFERSCALE_CALIBRATION``): ``auto`` (``<data_dir>/calibration/<fingerprint>.json``, else
 a shipped profile, ``inferscale/data/calibration/*.json``, whose fingerprint is the model's),
 ``off``, or a path. A profile made for another fingerprint is never used. A model without a
@@ -61,12 +61,23 @@ class Reached(BaseModel):
     n: int = Field(ge=1)  # answers it was fitted on
 
 
+class Target(BaseModel):
+    """What the fit aimed at, and whether it got there (more figures allowed; no text for
+    numbers or flags)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow", strict=True)
+
+    first_token: float = Field(ge=0.0, le=1.0)
+    reached: bool
+
+
 class Fit(BaseModel):
     """How a profile was made (provenance, the frontier, ...: more keys allowed)."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
     reached: Reached | None = None
+    target: Target | None = None
 
 
 class Profile(BaseModel):
@@ -138,10 +149,12 @@ def calibrated(settings: Settings, fingerprint: str) -> tuple[dict[str, Any], st
     values = ", ".join(f"{name} {value:g}" for name, value in
                        {**{n: getattr(settings, n) for n in kept}, **chosen}.items())
     if profile:
-        reached = profile.fit.reached
+        reached, target = profile.fit.reached, profile.fit.target
         where = (f"calibration for {profile.model} ({profile.fingerprint[:16]})"
                  + (f": first token = text prefill's on {reached.first_token:.1%} of "
-                    f"{reached.n} calibration answers" if reached else ""))
+                    f"{reached.n} calibration answers" if reached else "")
+                 + (f", short of its {target.first_token:.0%} target" if target
+                    and not target.reached else ""))
     else:
         where = ("no calibration for this model: conservative settings (unsure answers go to "
                  "text; `inferscale calibrate recompute` fits this model's)")

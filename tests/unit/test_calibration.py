@@ -51,6 +51,7 @@ def test_a_profile_reads_back(tmp_path):
     json.dumps({**_profile(), "fit": {"reached": {"first_token": 2.0, "n": 3}}}),
     json.dumps({**_profile(), "fit": {"reached": {"first_token": 0.9, "n": 0}}}),
     json.dumps({**_profile(), "fit": []}),
+    json.dumps({**_profile(), "fit": {"target": {"first_token": 0.95, "reached": "no"}}}),
 ])
 def test_a_hostile_profile_is_refused_naming_the_file(tmp_path, content):
     path = _write(tmp_path / "p.json", content)
@@ -99,7 +100,12 @@ def test_the_server_serves_the_profile_and_says_so(tmp_path):
     chosen, line = calibrated(Settings(data_dir=tmp_path), FINGERPRINT)
     assert chosen == {"recompute_auto_margin": 1.0, "recompute_auto_text_margin": 0.25,
                       "recompute_auto_tail": 4}
-    assert "96.0%" in line and FINGERPRINT[:16] in line
+    assert "96.0%" in line and FINGERPRINT[:16] in line and "short" not in line
+    _write(profile_path(tmp_path, FINGERPRINT), {**_profile(), "fit": {
+        "reached": {"first_token": 0.91, "n": 200},
+        "target": {"first_token": 0.95, "reached": False}}})
+    _, short = calibrated(Settings(data_dir=tmp_path), FINGERPRINT)
+    assert "91.0%" in short and "short of its 95% target" in short
 
 
 def test_an_uncalibrated_model_gets_the_conservative_policy_and_is_told(tmp_path):
