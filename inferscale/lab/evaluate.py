@@ -30,7 +30,12 @@ from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import prepare, server_process, wait_encoded, worker_process
-from inferscale.lab.bench.common import auto_costs, print_table, write_report
+from inferscale.lab.bench.common import (
+    auto_costs,
+    print_table,
+    settings_differing,
+    write_report,
+)
 from inferscale.lab.fidelity import compare
 from inferscale.lab.scoring import exact_match, locomo_f1
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
@@ -304,6 +309,7 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int,
     fingerprint = model_fingerprint(model_path)
     chosen, _ = calibrated(settings, fingerprint)  # what the server's recompute auto ran with
     report = {"model": model_path.name, "fingerprint": fingerprint,
+              "settings_differing": settings_differing(settings),
               "recompute_auto_settings": {name: chosen.get(name, getattr(settings, name))
                                           for name in SETTINGS.values()},
               "data": str(data), "conversations": list(conversations), "questions": len(items),

@@ -241,6 +241,7 @@ def run(settings: Settings, data: Path | None, out_dir: Path, *, records: Path |
                                                           "frontier")},
                           "made_from": {"answered_at": report.get("source"),
                                         "fitted_at": source(), "data": report.get("data"),
+                                        "settings_differing": report.get("settings_differing"),
                                         "conversations": report.get("conversations"),
                                         "questions": report.get("questions"),
                                         "ks": report.get("ks"),
