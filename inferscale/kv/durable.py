@@ -104,6 +104,7 @@ class Durable(ABC):
         same stored bytes. None where the backend cannot tell."""
         if not valid_location(location):
             raise BlobMissing(location, "not a blob location")
+        failpoints.hit("kv.read")
         return self._read(location, alloc or fresh_buffer)
 
     def write(self, location: str, data: bytes) -> None:
@@ -196,6 +197,10 @@ def _close(batch: list[_Opened | None]) -> None:
 def _read_whole(files: list[_Opened]) -> list[bool]:
     """Whether each file filled its buffer and ends there, readahead of all of them asked for
     first: in one call where ``_read_files`` is built, else calls of their own."""
+    try:
+        failpoints.hit("kv.read")
+    except OSError:  # each file is then read alone, and that read says why
+        return [False] * len(files)
     whole: list[bool] = []
     if _read_files is not None:
         whole = _read_files.read_files([f.fd for f in files], [f.buffer for f in files])

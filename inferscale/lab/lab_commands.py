@@ -75,7 +75,8 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
             ("minutes", args.minutes), ("users", args.users), ("request_rate", args.rate),
             ("clients", args.clients), ("turn_rate", args.turn_rate),
             ("budget_mb", args.budget_mb), ("user_budget_mb", args.user_budget_mb),
-            ("faults", tuple(args.faults) if args.faults is not None else None))
+            ("faults", tuple(args.faults) if args.faults is not None else None),
+            ("fault_s", args.fault_s))
             if value is not None}
         report = soak.run(settings, data, out, soak.SoakConfig(**given))
         return 0 if report["checks"]["passed"] else 1
@@ -194,8 +195,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--turn-rate", type=float, help="soak: turns published per second (0.1)")
     p.add_argument("--budget-mb", type=float, help="soak: the durable tier's KV budget (80)")
     p.add_argument("--user-budget-mb", type=float, help="soak: each user's KV budget (3)")
-    p.add_argument("--faults", nargs="*", choices=["worker", "broker", "postgres", "server"],
-                   help="soak: faults, spread evenly over the run (default: all four)")
+    p.add_argument("--faults", nargs="*", choices=["worker", "broker", "postgres", "server",
+                                                   "disk_full", "slow_store"],
+                   help="soak: faults, spread evenly over the run (default: all six)")
+    p.add_argument("--fault-s", type=float,
+                   help="soak: how long a full disk or a slow store lasts (60)")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none; "

@@ -1,8 +1,13 @@
 """`inferscale bench soak`: a fleet's day, live. A population of users (Zipf activity, LoCoMo
 memories) under KV budgets small enough to evict, turns streaming in, clients asking through the
 OpenAI API and editing memory through the memory API, and faults on a schedule (kill -9 of a
-worker mid-encode, kill -9 of the server, a broker restart, a Postgres restart); figures per
-minute and the end-of-run checks (``soak_checks``), JSON and plots.
+worker mid-encode, kill -9 of the server, a broker restart, a Postgres restart, a full disk and
+a slow store under the durable tier for ``fault_s``); figures per minute and the end-of-run
+checks (``soak_checks``), JSON and plots.
+
+The full disk and the slow store are failpoints armed in the running worker and server for
+their window (``INFERSCALE_FAILPOINTS_FILE``): every durable write fails with ENOSPC; every
+durable read and write waits ``SLOW_STORE_S`` first.
 
 One worker process and one server share the host, each restarted when it dies, as an
 orchestrator would. The embedded broker runs on S3 storage (moto_server), so its restart keeps
@@ -50,7 +55,11 @@ from inferscale.lab.bench.soak_timeline import Accumulator, per_minute, plot, su
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.serving.serve import start_server, stop_server, wait_ready
 
-FAULTS = ("worker", "broker", "postgres", "server")
+SLOW_STORE_S = 0.5
+# Faults that last ``fault_s``: what every process then finds at the durable tier.
+SPELLS = {"disk_full": "kv.mid_write=error:ENOSPC,kv.before_rename=error:ENOSPC",
+          "slow_store": f"kv.read=delay:{SLOW_STORE_S},kv.mid_write=delay:{SLOW_STORE_S}"}
+FAULTS = ("worker", "broker", "postgres", "server", *SPELLS)
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class SoakConfig:
     grace_s: float = 30.0
     evict_interval_s: float = 15.0
     faults: tuple[str, ...] = FAULTS
+    fault_s: float = 60.0  # how long a full disk or a slow store lasts
     zipf_a: float = 1.1
     seed: int = 0
     drain_s: float = 600.0  # after the load: time for every published turn to be stored
@@ -98,6 +108,7 @@ class Processes:
     worker: subprocess.Popen | None = None
     server: subprocess.Popen | None = None
     settings_args: tuple[str, ...] = ()
+    failpoints: Path = Path()  # the spec file the worker and the server watch
     deaths: list[dict] = field(default_factory=list)
     incarnations: int = 0
     stopping: bool = False
@@ -275,10 +286,20 @@ async def _worker_ready(procs: Processes, timeout_s: float = 600) -> None:
             await asyncio.sleep(0.5)
 
 
+async def _encode_failures(procs: Processes) -> float:
+    """The worker's failed encodes so far (this incarnation's; 0 when it does not answer)."""
+    with contextlib.suppress(httpx.HTTPError):
+        async with httpx.AsyncClient(timeout=5) as http:
+            return totals(parse_metrics((await http.get(
+                f"http://127.0.0.1:{procs.settings.worker_http_port}/metrics")).text),
+                WORKER_COUNTERS["encode_failures"])
+    return 0.0
+
+
 async def _faults(procs: Processes, restarts: Restarts, engine, config: SoakConfig,
                   began: float, log: list[dict]) -> None:
     """Each fault of ``config.faults`` once, evenly spread over the run."""
-    plan = [f for f in config.faults if f in ("worker", "server")
+    plan = [f for f in config.faults if f in ("worker", "server", *SPELLS)
             or getattr(restarts, f) is not None]
     for n, what in enumerate(plan):
         await asyncio.sleep(max(0.0, began + (n + 1) / (len(plan) + 1) * config.minutes * 60
@@ -294,6 +315,13 @@ async def _faults(procs: Processes, restarts: Restarts, engine, config: SoakConf
             entry["at"] = time.time()
             procs.kill_server()
             await asyncio.to_thread(procs.start_server)
+        elif what in SPELLS:
+            before = await _encode_failures(procs)
+            entry["at"] = time.time()
+            procs.failpoints.write_text(SPELLS[what])
+            await asyncio.sleep(config.fault_s)
+            procs.failpoints.write_text("")
+            entry["encode_failures"] = await _encode_failures(procs) - before
         else:
             entry["at"] = time.time()
             await asyncio.to_thread(getattr(restarts, what))
@@ -359,7 +387,10 @@ async def soak(settings: Settings, data: Path, out_dir: Path, config: SoakConfig
     await ensure_topics(bootstrap, [settings.turns_topic, settings.dead_letter_topic],
                         security=kafka_security(settings))
     procs = Processes(settings, logs, f"http://127.0.0.1:{settings.server_port}",
-                      settings_args=config.server_args)
+                      settings_args=config.server_args, failpoints=out_dir / "failpoints")
+    procs.failpoints.write_text("")
+    watched = os.environ.get("INFERSCALE_FAILPOINTS_FILE")
+    os.environ["INFERSCALE_FAILPOINTS_FILE"] = str(procs.failpoints)  # the children's
     engine = create_engine(settings.database_url)
     load = LoadLog([], [], [], {})
     samples: list[dict] = []
@@ -406,6 +437,9 @@ async def soak(settings: Settings, data: Path, out_dir: Path, config: SoakConfig
         sampling.set()
         procs.stop()
         await engine.dispose()
+        os.environ.pop("INFERSCALE_FAILPOINTS_FILE")
+        if watched is not None:
+            os.environ["INFERSCALE_FAILPOINTS_FILE"] = watched
     return report
 
 

@@ -1,9 +1,10 @@
 """A short soak (``inferscale bench soak``): a few users under KV budgets that evict all the time,
 turns streaming in, two OpenAI-API clients asking and editing memory, and one fault of each
-cheap kind (kill -9 of a worker mid-encode, a broker restart, a Postgres restart; the server's
-restart, a vLLM start, is the long soak's). The end-of-run checks must hold: every published
-turn stored and extracted once, every live fact's KV present or re-encodable, no answer served a
-retired or another user's fact, the budgets held within the policy's bound.
+cheap kind (kill -9 of a worker mid-encode, a broker restart, a Postgres restart, a full disk
+under the durable tier for 15 s; the server's restart, a vLLM start, is the long soak's). The
+end-of-run checks must hold: every published turn stored and extracted once, every live fact's
+KV present or re-encodable, no answer served a retired or another user's fact, the budgets held
+within the policy's bound.
 
 Users replay the shipped sample conversation from offsets of their own. The tiny random Llama
 serves and encodes (the checks are about what is served, not how well),
@@ -28,7 +29,8 @@ async def test_short_soak_loses_nothing_and_serves_nothing_stale(base_settings, 
     lay_key(tmp_path)
     config = SoakConfig(minutes=2.5, users=6, memory_turns=4, clients=2, request_rate=1.5,
                         turn_rate=0.5, edit_share=0.15, budget_mb=0.6, user_budget_mb=0.2,
-                        grace_s=10, evict_interval_s=5, faults=("worker", "broker", "postgres"),
+                        grace_s=10, evict_interval_s=5, fault_s=15,
+                        faults=("worker", "broker", "postgres", "disk_full"),
                         drain_s=300, server_args=("--enforce-eager", "--dtype", "float32",
                                                   "--max-model-len", "2048"))
     with durable_broker(settings.model_copy(update={"data_dir": tmp_path / "broker"})) as (
@@ -42,8 +44,9 @@ async def test_short_soak_loses_nothing_and_serves_nothing_stale(base_settings, 
             broker=restart_broker, postgres=lambda: infra.restart_postgres(local)))
 
     checks = report["checks"]
-    assert [f["what"] for f in report["faults"]] == ["worker", "broker", "postgres"]
+    assert [f["what"] for f in report["faults"]] == ["worker", "broker", "postgres", "disk_full"]
     assert report["faults"][0]["mid_encode"]
+    assert report["faults"][3]["encode_failures"] > 0  # encodes met the full disk, and came back
     assert checks["turns"]["published"] == report["data"]["turns_published"] > 6 * 4
     assert (checks["turns"]["lost"], checks["turns"]["duplicated"],
             checks["turns"]["facts_lost"], checks["turns"]["facts_duplicated"]) == (0, 0, 0, 0)
