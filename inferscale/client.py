@@ -5,20 +5,5 @@ One implementation, in the client distribution (``clients/python``, package
 ``inferscale.client``.
 """
 
-from inferscale_client import (
-    AsyncMemoryClient,
-    Deleted,
-    Fact,
-    FactKV,
-    FactPage,
-    Forgotten,
-    MemoryAPIError,
-    MemoryClient,
-    RefusedTurn,
-    Result,
-    SearchHit,
-    TurnsAdded,
-)
-
-__all__ = ["AsyncMemoryClient", "Deleted", "Fact", "FactKV", "FactPage", "Forgotten",
-           "MemoryAPIError", "MemoryClient", "RefusedTurn", "Result", "SearchHit", "TurnsAdded"]
+from inferscale_client import *  # noqa: F403 - the client's names, all of them
+from inferscale_client import __all__  # noqa: F401

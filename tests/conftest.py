@@ -206,6 +206,16 @@ def tiny_models(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
     return {kind: tiny_model(kind, smollm2_dir, root / kind) for kind in KINDS}
 
 
+@pytest.fixture(scope="session")
+def tiny_encoder(tiny_models):
+    """The tiny Llama as a fact encoder (fp32, CPU)."""
+    import torch
+
+    from inferscale.kv.encoder import FactEncoder
+
+    return FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+
+
 class Server:
     """A running `inferscale serve` (vLLM + connector + front end) for tests."""
 

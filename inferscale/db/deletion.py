@@ -18,7 +18,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from inferscale.contracts.blob_name import FactId
-from inferscale.db.tables import fact_kv, facts, forgotten_users, turns
+from inferscale.db.tables import fact_kv, facts, forgotten_users, memory_events, turns
 from inferscale.db.turns import lock_users
 
 
@@ -35,6 +35,7 @@ async def delete_user(conn: AsyncConnection, user_id: str
                  for location in held]
     await conn.execute(delete(facts).where(facts.c.user_id == user_id))
     await conn.execute(delete(turns).where(turns.c.user_id == user_id))
+    await conn.execute(delete(memory_events).where(memory_events.c.user_id == user_id))
     now = func.clock_timestamp()
     await conn.execute(insert(forgotten_users).values(user_id=user_id, forgotten_at=now)
                        .on_conflict_do_update(index_elements=["user_id"],

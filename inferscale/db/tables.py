@@ -62,7 +62,14 @@ facts = Table(
     Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
     Column("deleted_at", DateTime(timezone=True)),
     Column("superseded_by", BigInteger),
+    # The export record it was imported from, and the one that replaced it while that is not
+    # imported yet (migration 0016; NULL: not imported / resolved).
+    Column("import_key", String(64)),
+    Column("import_successor", String(64)),
 )
+
+# The database's identity, which its exports carry (migration 0016): one row.
+memory_origin = Table("memory_origin", metadata, Column("origin", String(32), primary_key=True))
 
 # The models encode workers encode for (migration 0012): each registers its own at start.
 kv_models = Table(
@@ -100,6 +107,18 @@ fact_kv = Table(
     Column("encoded_at", DateTime(timezone=True)),
     # A request served the fact by this model (migration 0013): eviction spares it in the grace.
     Column("served_at", DateTime(timezone=True)),
+)
+
+# An add through the memory API (migration 0015): the turns it published and the facts it
+# stored, ids only; how far it has come is read from the turns and facts (db/memory_events.py).
+memory_events = Table(
+    "memory_events",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("user_id", String(256), nullable=False),
+    Column("turns", JSONB, nullable=False, server_default="[]"),  # [[conversation, turn], ...]
+    Column("fact_ids", ARRAY(BigInteger), nullable=False, server_default="{}"),
+    Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
 )
 
 # A forgotten user's tombstone: turns published (Kafka record time) up to forgotten_at are

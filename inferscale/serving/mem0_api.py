@@ -103,6 +103,8 @@ class Added(BaseModel):
     results: list[AddResult]  # infer false: the facts stored
     status: Literal["SUCCEEDED", "PENDING"]  # PENDING: turns queued for extraction
     message: str
+    # how far the add has come: GET /v1/memory/users/{user_id}/events/{event_id}
+    event_id: str
 
 
 class Page(BaseModel):
@@ -293,7 +295,9 @@ async def add(body: AddBody, service: Service, caller: Admission) -> dict[str, A
                                       when) for m in body.messages]
         return {"results": [{"id": str(r.id), "memory": r.text, "event": "ADD"}
                             for r in records],
-                "status": "SUCCEEDED", "message": f"{len(records)} memories stored"}
+                "status": "SUCCEEDED", "message": f"{len(records)} memories stored",
+                "event_id": await ops.record_event(service, owner,
+                                                   fact_ids=[r.id for r in records])}
     if body.metadata:
         raise HTTPException(400, "metadata with infer=true is not kept yet: facts extracted "
                                  "from turns carry none (add with infer=false to set it)")
@@ -306,7 +310,8 @@ async def add(body: AddBody, service: Service, caller: Admission) -> dict[str, A
         raise HTTPException(400, "a message is longer than max_text_bytes")
     await ops.publish_turns(service, turns)
     return {"results": [], "status": "PENDING",
-            "message": f"{len(turns)} messages queued for extraction"}
+            "message": f"{len(turns)} messages queued for extraction",
+            "event_id": await ops.record_event(service, owner, turns)}
 
 
 @router.post("/v3/memories/", summary="Mem0: list memories", response_model=Page)

@@ -15,16 +15,24 @@ as chat requests do; facts carry bounded metadata (``contracts/metadata.py``).
 
 import base64
 import binascii
+import dataclasses
 import importlib.resources
 import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Path, Query
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.filters import EVERYTHING, Node
+from inferscale.contracts.memory_export import (
+    MAX_FACT_CHARS,
+    MAX_IMPORT,
+    ExportedFact,
+    ExportHeader,
+    FactText,
+)
 from inferscale.contracts.metadata import Metadata
 from inferscale.contracts.scope import (
     ANY,
@@ -39,13 +47,16 @@ from inferscale.serving.access import holds
 from inferscale.serving.browser_guard import page_headers
 from inferscale.serving.memory_models import (
     ERRORS,
+    AddedFact,
     Deleted,
     DeletedMany,
     EditedFact,
+    EventStatus,
     Fact,
     FactPage,
     Forgotten,
     Hits,
+    ImportedFacts,
     TurnsAdded,
     Versions,
 )
@@ -53,7 +64,6 @@ from inferscale.serving.memory_ops import Admission, Service
 from inferscale.serving.retrieval import retrieve
 
 MAX_PAGE = 500
-MAX_FACT_CHARS = 4000
 MAX_SEARCH_K = 100
 MAX_TURNS = 1000
 MAX_DELETE = 1000
@@ -96,7 +106,7 @@ class Filtered(Scoped):
 class NewFactBody(Scoped):
     """A fact an operator adds directly (no source turn), in a scope, with metadata."""
 
-    text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
+    text: FactText
     conversation_id: str = Field(default="operator", min_length=1, max_length=256)
     metadata: Metadata | None = None
 
@@ -105,7 +115,7 @@ class EditBody(BaseModel):
     """A fact's new text and / or metadata (at least one)."""
 
     model_config = ConfigDict(extra="forbid")
-    text: str | None = Field(default=None, min_length=1, max_length=MAX_FACT_CHARS)
+    text: FactText | None = None
     metadata: Metadata | None = None
 
     @model_validator(mode="after")
@@ -133,6 +143,14 @@ class ForgetBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     user: OwnerId
+
+
+class ImportBody(BaseModel):
+    """Records of an export (its header, and up to ``MAX_IMPORT`` of its facts)."""
+
+    model_config = ConfigDict(extra="forbid")
+    header: ExportHeader
+    facts: list[ExportedFact] = Field(min_length=1, max_length=MAX_IMPORT)
 
 
 class TurnsBody(Scoped):
@@ -210,16 +228,16 @@ async def history(user_id: str, fact_id: FactId, service: Service, caller: Admis
 
 
 @router.post(API + "/users/{user_id}/facts", status_code=201,
-             summary="Add a fact (operators)", response_model=Fact)
+             summary="Add a fact", response_model=AddedFact)
 async def add_fact(user_id: str, body: NewFactBody, service: Service, caller: Admission
                    ) -> dict[str, Any]:
-    """A fact given directly, with no source turn: admin keys only. Served as text at once,
-    injected once a worker encodes it."""
+    """A fact given directly, with no source turn, by a key that may write the owner's scope.
+    Served as text at once, injected once a worker encodes it (its event says when)."""
     caller.admit(user_id, body.scope, write=True)
-    caller.admit_control()
     record = await ops.add_fact(service, user_id, body.text, body.scope, body.conversation_id,
                                 body.metadata)
-    return record.as_json()
+    return {**record.as_json(), "event_id": await ops.record_event(service, user_id,
+                                                                    fact_ids=[record.id])}
 
 
 @router.patch(API + "/users/{user_id}/facts/{fact_id}", summary="Edit a fact",
@@ -299,7 +317,54 @@ async def add_turns(user_id: str, body: TurnsBody, service: Service, caller: Adm
             continue
         accepted.append(turn)
     await ops.publish_turns(service, accepted)
-    return {"accepted": [t.turn_id for t in accepted], "refused": refused}
+    event_id = await ops.record_event(service, user_id, accepted) if accepted else None
+    return {"accepted": [t.turn_id for t in accepted], "refused": refused, "event_id": event_id}
+
+
+@router.get(API + "/users/{user_id}/events/{event_id}", summary="How far an add has come",
+            response_model=EventStatus)
+async def event(user_id: str, event_id: Annotated[str, Path(pattern="^[0-9a-f]{32}$")],
+                service: Service, caller: Admission,
+                wait: Annotated[float, Query(ge=0, le=ops.MAX_WAIT_S)] = 0.0) -> dict[str, Any]:
+    """The stage of an add of turns or a fact (``queued``, ``stored``, ``extracted``,
+    ``encoded``) and the facts it produced; with ``wait`` (seconds, up to 60), answered once it
+    is encoded or the time is up, whichever comes first."""
+    grant = caller.admit(user_id, None)
+    progress = await ops.event_progress(service, grant, user_id, event_id, wait)
+    return {**dataclasses.asdict(progress), "stage": progress.stage,
+            "created_at": progress.created_at.isoformat(),
+            "facts": [{"id": f.id, "live": f.live, "encoded": f.encoded,
+                       "encode_error": f.encode_error} for f in progress.facts]}
+
+
+@router.get(API + "/users/{user_id}/export", summary="Export an owner's memory (JSON Lines)",
+            response_class=StreamingResponse,
+            responses={200: {"content": {"application/x-ndjson": {}},
+                             "description": "a header line, then every version of every fact"}})
+async def export(user_id: str, service: Service, caller: Admission,
+                 agent_id: ops.ScopeQuery = None, run_id: ops.ScopeQuery = None
+                 ) -> StreamingResponse:
+    """Every version of the owner's facts (of the agent / run given), oldest first, with their
+    history and metadata, streamed from one snapshot (``contracts/memory_export.py``)."""
+    scope = Scope(agent_id, run_id)
+    caller.admit(user_id, scope)
+    return StreamingResponse(ops.exported(service, user_id, scope),
+                             media_type="application/x-ndjson")
+
+
+@router.post(API + "/users/{user_id}/import", summary="Import records of an export",
+             response_model=ImportedFacts)
+async def import_facts(user_id: str, body: ImportBody, service: Service, caller: Admission
+                       ) -> dict[str, Any]:
+    """The records the owner does not hold yet, stored (served as text at once, injected once
+    encoded: the event says when); importing the same records again adds nothing. Each
+    record's scope must be one the key may write."""
+    grant = caller.admit(user_id, None, write=True)
+    if not all(holds(grant, Scope(r.agent_id, r.run_id)) for r in body.facts):
+        raise HTTPException(403, "a record's scope is not one this API key may write")
+    imported = await ops.import_facts(service, user_id, body.header, body.facts)
+    return {"imported": imported.ids, "skipped": imported.skipped,
+            "event_id": await ops.record_event(service, user_id, fact_ids=imported.ids)}
 
 
 @router.delete(API + "/users/{user_id}", summary="Forget an owner", response_model=Forgotten)

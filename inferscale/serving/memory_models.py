@@ -5,7 +5,7 @@ strings as the database's ``FactRecord.as_json`` writes them. Every refusal has 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -39,6 +39,12 @@ class Fact(BaseModel):
     deleted_at: str | None
     superseded_by: int | None
     kv: KVStatus
+
+
+class AddedFact(Fact):
+    """A fact added directly, and the event that says when its KV is ready."""
+
+    event_id: str
 
 
 class EditedFact(Fact):
@@ -84,6 +90,35 @@ class RefusedTurn(BaseModel):
 class TurnsAdded(BaseModel):
     accepted: list[str]  # turn ids published
     refused: list[RefusedTurn]
+    event_id: str | None  # how far the accepted turns have come (None: none accepted)
+
+
+class ImportedFacts(BaseModel):
+    imported: list[int]  # the facts stored, in the records' order
+    skipped: int  # records the owner held already
+    event_id: str  # when the imported facts are encoded
+
+
+class ProducedFact(BaseModel):
+    id: int
+    live: bool  # False: edited or deleted since
+    encoded: bool  # its KV made for the answering server's model (evicted since counts)
+    encode_error: str | None  # why the last encode failed, while it waits to be retried
+
+
+class EventStatus(BaseModel):
+    """How far an add has come: ``queued`` (a turn not stored yet), ``stored`` (a turn not
+    extracted yet), ``extracted`` (a live fact it produced has no KV for this server's model
+    yet), ``encoded`` (every live fact it produced has; also an add that produced none)."""
+
+    id: str
+    user_id: str
+    stage: Literal["queued", "stored", "extracted", "encoded"]
+    created_at: str
+    turns: int
+    turns_stored: int
+    turns_extracted: int
+    facts: list[ProducedFact]  # those the key may see, in id order
 
 
 class Forgotten(BaseModel):

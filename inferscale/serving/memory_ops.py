@@ -13,7 +13,8 @@ database holds it and the old blobs have left the durable tier and this server's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Protocol, TypeVar
@@ -31,6 +32,7 @@ from inferscale.contracts.filters import (
     parse_filter,
     pinned,
 )
+from inferscale.contracts.memory_export import ExportedFact, ExportHeader, line
 from inferscale.contracts.scope import (
     ANY,
     MAX_SCOPE_CHARS,
@@ -42,14 +44,17 @@ from inferscale.contracts.scope import (
 )
 from inferscale.core.endpoints import InfraError, resolve_kafka_bootstrap
 from inferscale.core.settings import KeyGrant, Settings
-from inferscale.db import memory_edits
+from inferscale.db import memory_edits, memory_events, memory_io
 from inferscale.db.memory_edits import FactRecord
+from inferscale.db.memory_events import EventProgress
 from inferscale.pipeline import kafka
 from inferscale.serving.access import Access, holds
 from inferscale.serving.compose import MemoryRuntime
 from inferscale.serving.guards import FrontendError
 
 STATE_KEY = "inferscale_memory"  # the service's name on the app's state
+MAX_WAIT_S = 60.0  # the longest a read of an event waits for it to be encoded
+POLL_S = 0.25
 T = TypeVar("T")
 # An owner, agent or run id as a query parameter.
 ScopeQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_SCOPE_CHARS,
@@ -259,3 +264,56 @@ async def publish_turns(service: MemoryService, turns: list[TurnEvent]) -> None:
     await kafka.ensure_topics(bootstrap, [settings.turns_topic], security=security)
     await kafka.publish_turns(bootstrap, settings.turns_topic, turns, progress=False,
                               security=security)
+
+
+async def record_event(service: MemoryService, user_id: str,
+                       turns: list[TurnEvent] | None = None, fact_ids: list[int] | None = None
+                       ) -> str:
+    """The id of a new event for turns published and facts stored by one add."""
+    pairs = [(t.conversation_id, t.turn_id) for t in turns or []]
+    return await in_transaction(service, lambda conn, _: memory_events.record_event(
+        conn, user_id, pairs, fact_ids or []))
+
+
+async def event_progress(service: MemoryService, grant: KeyGrant, user_id: str, event_id: str,
+                         wait_s: float = 0.0) -> EventProgress:
+    """How far the owner's event has come, waiting up to ``wait_s`` for it to be encoded
+    (404: no such event of the owner); only facts the key may see are listed."""
+    deadline = asyncio.get_running_loop().time() + min(wait_s, MAX_WAIT_S)
+    while True:
+        progress = await in_transaction(service, lambda conn, model: (
+            memory_events.event_progress(conn, user_id, event_id, model)))
+        if progress is None:
+            raise HTTPException(404, f"{user_id!r} has no event {event_id}")
+        if progress.stage == "encoded" or asyncio.get_running_loop().time() >= deadline:
+            break
+        await asyncio.sleep(POLL_S)
+    shown = [f for f in progress.facts if holds(grant, Scope(f.agent_id, f.run_id))]
+    return dataclasses.replace(progress, facts=shown)
+
+
+async def exported(service: MemoryService, user_id: str, scope: Scope) -> AsyncIterator[bytes]:
+    """The owner's memory in ``scope`` as JSON Lines (``contracts/memory_export.py``), read from
+    one snapshot (a page of facts per chunk)."""
+    rt = await service.runtime()
+    async with rt.engine.connect() as conn:
+        snapshot = await conn.execution_options(isolation_level="REPEATABLE READ")
+        async with snapshot.begin():
+            yield line(ExportHeader(user_id=user_id, origin=await memory_io.origin(snapshot),
+                                    exported_at=datetime.now(UTC), agent_id=scope.agent_id,
+                                    run_id=scope.run_id))
+            async for page in memory_io.export_pages(snapshot, user_id, scope):
+                yield b"".join(line({name: value.isoformat() if isinstance(value, datetime)
+                                     else value for name, value in row.items()})
+                               for row in page)
+
+
+async def import_facts(service: MemoryService, user_id: str, header: ExportHeader,
+                       records: list[ExportedFact]) -> memory_io.Imported:
+    """Store the records the owner does not hold yet (embedded off the event loop)."""
+    rt = await service.runtime()
+    vectors = await asyncio.get_running_loop().run_in_executor(
+        None, rt.embedder.encode, [r.text for r in records])
+    embeddings = [[float(x) for x in vector] for vector in vectors]
+    return await in_transaction(service, lambda conn, _: memory_io.import_facts(
+        conn, user_id, header, records, embeddings))

@@ -42,11 +42,6 @@ from workers.ingest import IngestWorker
 from workers.maintenance import MaintenanceWorker
 
 
-@pytest.fixture(scope="module")
-def tiny_encoder(tiny_models):
-    return FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
-
-
 @pytest.fixture(autouse=True)
 async def one_test_one_memory(engine):
     """Each test starts from no facts and no registered models: a worker registering a model

@@ -7,8 +7,6 @@ leaves no stale KV. Eviction and the orphan sweep are the maintenance stage's.""
 import uuid
 from datetime import timedelta
 
-import pytest
-import torch
 from kvrows import with_kv
 from sqlalchemy import func, text
 
@@ -18,7 +16,6 @@ from inferscale.db.encode_queue import claim_pending_facts, count_pending_facts
 from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes, note_served
 from inferscale.db.tables import fact_kv, facts, memory_activity
 from inferscale.kv.durable import LocalDir
-from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
 from inferscale.serving.forget import forget_user
 from workers.encode import EncodeWorker
@@ -26,11 +23,6 @@ from workers.maintenance import MaintenanceWorker
 
 FACTS_EACH = 4
 MODEL = "e" * 64  # the tests' stores' model
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tiny_models):
-    return FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
 
 
 async def _users(settings, engine, embedder, encoder, store, *names):

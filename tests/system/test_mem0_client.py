@@ -20,6 +20,7 @@ from mem0.exceptions import MemoryNotFoundError, ValidationError  # noqa: E402
 
 from conftest import AUTH, SUITE_KEY  # noqa: E402
 from helpers import ingest_and_encode  # noqa: E402
+from inferscale.client import MemoryClient as NativeClient  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -121,6 +122,10 @@ async def test_the_async_client_infer_true_goes_through_extraction(served, smol,
     await ingest_and_encode(drain, engine, embedder, [])
     page = await memory.get_all(filters={"AND": [{"user_id": user}, {"run_id": "s1"}]})
     assert page["count"] == 1 and "Tiger" in page["results"][0]["memory"]
+    # the add's event: extracted into that memory (no encoder ran here)
+    event = NativeClient(served.url, api_key=SUITE_KEY).event(user, queued["event_id"])
+    assert event.stage == "extracted" and [str(f.id) for f in event.facts] == [
+        page["results"][0]["id"]]
     hits = await memory.search("How old is the cat?", filters={"user_id": user})
     assert hits["results"][0]["id"] == page["results"][0]["id"]
     assert {"id": user, "name": user, "type": "user", "total_memories": 1} in (

@@ -4,6 +4,7 @@ searched as the server retrieves, edited (the next answer serves the new version
 as KV once encoded, never the old one), deleted and traced through their history; hostile
 requests get a 4xx and change nothing."""
 
+import asyncio
 import uuid
 from urllib.parse import quote
 
@@ -88,11 +89,42 @@ async def test_list_read_search_edit_delete_and_history(served, smol, cfg, engin
     assert [v["id"] for v in memory.history(user, horse["id"])] == [horse["id"], edited["id"]]
 
 
-async def test_the_async_client_and_the_operator_routes(served, smol, cfg, engine, embedder):
+async def test_an_owner_exported_and_imported_elsewhere_is_served_alike(served, smol, cfg,
+                                                                       engine, embedder):
+    user = await _user_with_facts(cfg, engine, embedder, smol)
+    memory = MemoryClient(served.url)
+    horse = next(f for f in memory.list_facts(user)["facts"] if "horse" in f["text"])
+    memory.edit_fact(user, horse["id"], "My horse is called Pickles; she is twelve.")
+    records = list(memory.export(user))
+    assert records[0]["user_id"] == user and len(records) == 1 + len(FACTS) + 1
+    other = f"api-{uuid.uuid4().hex[:6]}"
+    [imported] = memory.import_records(other, records)
+    assert len(imported.imported) == len(FACTS) + 1 and imported.skipped == 0
+    [again] = memory.import_records(other, records)  # idempotent
+    assert again.imported == [] and again.skipped == len(FACTS) + 1
+    theirs = memory.list_facts(other)["facts"]
+    assert sorted(f["text"] for f in theirs) == sorted(
+        f["text"] for f in memory.list_facts(user)["facts"])
+    pickles = next(f for f in theirs if "Pickles" in f["text"])
+    assert _served_ids(served.chat(other, "What is the name of Ines's horse?", k=1)) == [
+        pickles["id"]]  # served at once, as text
+    assert [v["text"] for v in memory.history(other, pickles["id"])] == [
+        horse["text"], pickles["text"]]
+    response = httpx.get(f"{served.url}/v1/memory/users/{user}/export", headers=AUTH,
+                         timeout=60)
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    assert len(response.text.splitlines()) == len(records)
+
+
+async def test_the_async_client_adds_and_reads_its_own_writes(served, smol, cfg, engine,
+                                                               embedder):
+    encoder, store = smol
     user = f"api-{uuid.uuid4().hex[:6]}"
     async with AsyncMemoryClient(served.url) as memory:
         added = await memory.add_fact(user, "Ines's favourite colour is teal.")
         assert added["extractor"] == "operator" and not added["kv"]["encoded"]
+        direct = await memory.event(user, added.event_id)
+        assert direct.stage == "extracted" and [f.id for f in direct.facts] == [added["id"]]
         assert _served_ids(served.chat(user, "What is Ines's favourite colour?", k=1)) == [
             added["id"]]  # read-your-writes: served as text at once
         listed = [f async for f in memory.iter_facts(user)]
@@ -105,9 +137,28 @@ async def test_the_async_client_and_the_operator_routes(served, smol, cfg, engin
              "speaker": "Ines", "text": "x", "timestamp": "2025-05-01T12:00:00Z"}])
         assert result["accepted"] == ["t1"]
         assert [r["index"] for r in result["refused"]] == [1, 2]
+        queued = await memory.event(user, result.event_id)  # no worker has run yet
+        assert (queued.stage, queued.turns, queued.facts) == ("queued", 1, [])
+        # Read your writes: a read that waits answers once the workers have done their part.
+        waiting = asyncio.create_task(memory.event(user, result.event_id, wait=60))
+        drain = cfg.model_copy(update={"turns_topic": served.settings.turns_topic,
+                                       "consumer_group": f"api-{uuid.uuid4().hex[:6]}"})
+        await ingest_and_encode(drain, engine, embedder, [], encoder, store)
+        ready = await waiting
+        assert ready.stage == "encoded" and ready.turns_extracted == 1
+        assert ready.facts and all(f.encoded and f.live for f in ready.facts)
+        bicycle = await memory.get_fact(user, ready.facts[0].id)
+        assert "bicycle" in bicycle["text"] and bicycle["turn_ids"] == ["t1"]
+        assert (await memory.event(user, added.event_id)).stage == "encoded"
+        with pytest.raises(MemoryAPIError) as theirs:  # an event is its owner's only
+            await memory.event("someone-else", result.event_id)
+        assert theirs.value.status == 404
         forgotten = await memory.forget(user)
-        assert forgotten["facts_deleted"] == 1
+        assert forgotten["facts_deleted"] == 2
         assert (await memory.list_facts(user))["facts"] == []
+        with pytest.raises(MemoryAPIError) as gone:  # forgotten with its owner
+            await memory.event(user, result.event_id)
+        assert gone.value.status == 404
 
 
 async def test_hostile_memory_api_requests_get_4xx_and_change_nothing(served, smol, cfg,

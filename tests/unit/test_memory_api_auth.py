@@ -1,6 +1,6 @@
 """The memory API's routes in-process (FastAPI's test client, a stand-in server with no
-database): keys that may not act for the owner are refused before any work, operator routes
-need an admin key, cursors this server did not make are refused."""
+database): keys that may not act for the owner are refused before any work, ordinary keys add
+facts in the scopes they may write, cursors this server did not make are refused."""
 
 import pytest
 from fastapi import FastAPI
@@ -32,6 +32,13 @@ class _NoDatabase:
         return {}
 
 
+EVENT = "0123456789abcdef0123456789abcdef"
+NOW = "2026-12-06T00:00:00+00:00"
+IMPORT = {"header": {"user_id": "alice", "origin": EVENT, "exported_at": NOW},
+          "facts": [{"id": 1, "text": "x", "conversation_id": "c", "extractor": "turn",
+                     "ts": NOW, "created_at": NOW}]}
+
+
 @pytest.fixture
 def client_and_service():
     service = _NoDatabase(Settings(api_keys={
@@ -52,6 +59,9 @@ def client_and_service():
     ("POST", "/v1/memory/users/alice/search", {"query": "x"}),
     ("POST", "/v1/memory/users/alice/facts", {"text": "x"}),
     ("POST", "/v1/memory/users/alice/turns", {"turns": [{}]}),
+    ("GET", f"/v1/memory/users/alice/events/{EVENT}", None),
+    ("GET", "/v1/memory/users/alice/export", None),
+    ("POST", "/v1/memory/users/alice/import", IMPORT),
     ("DELETE", "/v1/memory/users/alice", None),
 ])
 def test_keys_that_may_not_act_for_the_owner_are_refused(client_and_service, method, path,
@@ -70,6 +80,10 @@ ROUTES = [("GET", "/v1/memory/users/alice/facts", None, False),
           ("GET", "/v1/memory/users/alice/facts/1", None, False),
           ("GET", "/v1/memory/users/alice/facts/1/history", None, False),
           ("POST", "/v1/memory/users/alice/search", {"query": "x"}, False),
+          ("GET", f"/v1/memory/users/alice/events/{EVENT}?wait=0.5", None, False),
+          ("POST", "/v1/memory/users/alice/facts", {"text": "x"}, True),
+          ("GET", "/v1/memory/users/alice/export", None, False),
+          ("POST", "/v1/memory/users/alice/import", IMPORT, True),
           ("PATCH", "/v1/memory/users/alice/facts/1", {"text": "x"}, True),
           ("DELETE", "/v1/memory/users/alice/facts/1", None, True),
           ("POST", "/v1/memory/users/alice/turns", {"turns": [{}]}, True),
@@ -113,11 +127,56 @@ def test_scoped_keys_name_their_scope_and_cannot_forget(client_and_service):
     assert ok.status_code not in (401, 403) and service.reached == 1
 
 
-def test_adding_a_fact_directly_needs_an_admin_key(client_and_service):
+def test_a_scoped_key_adds_facts_only_in_its_scope(client_and_service):
     client, service = client_and_service
-    response = client.post("/v1/memory/users/alice/facts", json={"text": "x"},
-                           headers={"authorization": "Bearer alice-key"})
+    planner = {"authorization": "Bearer planner"}
+    for body in ({"text": "x"}, {"text": "x", "agent_id": "coder"}):
+        response = client.post("/v1/memory/users/alice/facts", json=body, headers=planner)
+        assert response.status_code == 403 and service.reached == 0
+    response = client.post("/v1/memory/users/alice/facts",
+                           json={"text": "x", "agent_id": "planner"}, headers=planner)
+    assert response.status_code not in (401, 403) and service.reached == 1
+
+
+def test_a_scoped_key_imports_only_records_of_its_scope(client_and_service):
+    client, service = client_and_service
+    planner = {"authorization": "Bearer planner"}
+    theirs = {**IMPORT, "facts": [{**IMPORT["facts"][0], "agent_id": "coder"}]}
+    response = client.post("/v1/memory/users/alice/import", json=theirs, headers=planner)
     assert response.status_code == 403 and service.reached == 0
+    assert client.get("/v1/memory/users/alice/export", headers=planner).status_code == 403
+    mine = {**IMPORT, "facts": [{**IMPORT["facts"][0], "agent_id": "planner"}]}
+    response = client.post("/v1/memory/users/alice/import", json=mine, headers=planner)
+    assert response.status_code not in (401, 403) and service.reached == 1
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"header": IMPORT["header"]}, {**IMPORT, "facts": []},
+    {**IMPORT, "facts": IMPORT["facts"] * 1001},
+    {**IMPORT, "header": {**IMPORT["header"], "origin": "nope"}},
+    {**IMPORT, "facts": [{**IMPORT["facts"][0], "text": "a\u0000b"}]},
+    {**IMPORT, "facts": [{**IMPORT["facts"][0], "superseded_by": 2}]},
+    {**IMPORT, "extra": 1}, [IMPORT]])
+def test_hostile_imports_are_refused_before_any_work(client_and_service, body):
+    client, service = client_and_service
+    response = client.post("/v1/memory/users/alice/import", json=body,
+                           headers={"authorization": "Bearer alice-key"})
+    assert 400 <= response.status_code < 500 and response.status_code not in (401, 403), (
+        response.text)
+    assert service.reached == 0
+
+
+@pytest.mark.parametrize("path", [
+    "events/not-an-event", f"events/{EVENT.upper()}", f"events/{EVENT}0", f"events/{EVENT[:-1]}",
+    f"events/{EVENT}?wait=-1", f"events/{EVENT}?wait=61", f"events/{EVENT}?wait=nan",
+    f"events/{EVENT}?wait=inf", f"events/{EVENT}?wait=soon", "events/%00"])
+def test_hostile_event_reads_are_refused_before_any_work(client_and_service, path):
+    client, service = client_and_service
+    response = client.get(f"/v1/memory/users/alice/{path}",
+                          headers={"authorization": "Bearer alice-key"})
+    assert 400 <= response.status_code < 500 and response.status_code not in (401, 403), (
+        path, response.text)
+    assert service.reached == 0
 
 
 def test_cursors_round_trip_and_foreign_ones_are_refused():

@@ -13,7 +13,9 @@ a server on this machine the local admin key (``keys.py``; ``data_dir``: where i
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,9 +25,11 @@ from inferscale_client import routes
 from inferscale_client.keys import key_for
 from inferscale_client.results import (
     Deleted,
+    Event,
     Fact,
     FactPage,
     Forgotten,
+    Imported,
     SearchHit,
     TurnsAdded,
 )
@@ -53,9 +57,29 @@ def _read(response: httpx.Response, call: routes.Call[T]) -> T:
     return call.read(response.json())
 
 
+def _header(record: dict[str, Any] | None) -> dict[str, Any]:
+    if not isinstance(record, dict) or "origin" not in record:
+        raise ValueError("an export's records start with its header")
+    return record
+
+
+def _chunks(records: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """The records, ``MAX_IMPORT`` at a time."""
+    while chunk := list(islice(records, routes.MAX_IMPORT)):
+        yield chunk
+
+
 def _headers(base_url: str, api_key: str | None, data_dir: Path | None) -> dict[str, str]:
     key = api_key if api_key is not None else key_for(base_url, data_dir)
     return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def _waiting(timeout: httpx.Timeout, call: routes.Call[Any]) -> httpx.Timeout:
+    """The client's timeout, its read longer by the time the server may wait before answering."""
+    if not call.wait_s or timeout.read is None:
+        return timeout
+    return httpx.Timeout(timeout.connect, read=timeout.read + call.wait_s, write=timeout.write,
+                         pool=timeout.pool)
 
 
 class MemoryClient:
@@ -69,7 +93,8 @@ class MemoryClient:
 
     def _send(self, call: routes.Call[T]) -> T:
         return _read(self._http.request(call.method, call.path, params=call.params,
-                                        json=call.body), call)
+                                        json=call.body,
+                                        timeout=_waiting(self._http.timeout, call)), call)
 
     def close(self) -> None:
         self._http.close()
@@ -109,7 +134,8 @@ class MemoryClient:
 
     def add_fact(self, user: str, text: str, conversation_id: str = "operator",
                  agent_id: str | None = None, run_id: str | None = None) -> Fact:
-        """A fact given directly (admin keys only)."""
+        """A fact given directly (no source turn), by a key that may write the owner's scope;
+        its ``event_id`` says when it is encoded."""
         return self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id))
 
     def edit_fact(self, user: str, fact_id: int, text: str) -> Fact:
@@ -123,8 +149,35 @@ class MemoryClient:
                   run_id: str | None = None) -> TurnsAdded:
         """Publish turns (``conversation_id``, ``turn_id``, ``speaker``, ``text``,
         ``timestamp`` each; a turn's own ``agent_id`` / ``run_id`` win over the call's): which
-        were accepted, which refused and why."""
+        were accepted, which refused and why, and the event that says how far they came."""
         return self._send(routes.add_turns(user, turns, agent_id, run_id))
+
+    def event(self, user: str, event_id: str, wait: float = 0.0) -> Event:
+        """How far an add has come; with ``wait`` (seconds, up to 60) the server answers once
+        it is ``encoded`` or the time is up: read your own writes with ``wait``."""
+        return self._send(routes.event(user, event_id, wait))
+
+    def export(self, user: str, agent_id: str | None = None, run_id: str | None = None
+               ) -> Iterator[dict[str, Any]]:
+        """The owner's memory as records, streamed: the header first, then every version of
+        every fact, oldest first (write them one JSON object per line to keep a file)."""
+        call = routes.export(user, agent_id, run_id)
+        with self._http.stream(call.method, call.path, params=call.params) as response:
+            if response.status_code >= 400:
+                response.read()
+                _read(response, call)
+            for raw in response.iter_lines():
+                if raw:
+                    yield json.loads(raw)
+
+    def import_records(self, user: str, records: Iterable[dict[str, Any]]) -> list[Imported]:
+        """Import an export's records (its header first) into ``user``, ``MAX_IMPORT`` facts
+        a request; records the owner holds already are skipped, so a failed import can be
+        run again."""
+        stream = iter(records)
+        header = _header(next(stream, None))
+        return [self._send(routes.import_records(user, header, chunk))
+                for chunk in _chunks(stream)]
 
     def forget(self, user: str) -> Forgotten:
         return self._send(routes.forget(user))
@@ -143,7 +196,8 @@ class AsyncMemoryClient:
 
     async def _send(self, call: routes.Call[T]) -> T:
         return _read(await self._http.request(call.method, call.path, params=call.params,
-                                              json=call.body), call)
+                                              json=call.body,
+                                              timeout=_waiting(self._http.timeout, call)), call)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -191,6 +245,29 @@ class AsyncMemoryClient:
     async def add_turns(self, user: str, turns: list[dict[str, Any]],
                         agent_id: str | None = None, run_id: str | None = None) -> TurnsAdded:
         return await self._send(routes.add_turns(user, turns, agent_id, run_id))
+
+    async def event(self, user: str, event_id: str, wait: float = 0.0) -> Event:
+        return await self._send(routes.event(user, event_id, wait))
+
+    async def export(self, user: str, agent_id: str | None = None, run_id: str | None = None
+                     ) -> AsyncIterator[dict[str, Any]]:
+        call = routes.export(user, agent_id, run_id)
+        async with self._http.stream(call.method, call.path, params=call.params) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _read(response, call)
+            async for raw in response.aiter_lines():
+                if raw:
+                    yield json.loads(raw)
+
+    async def import_records(self, user: str,
+                             records: Iterable[dict[str, Any]] | AsyncIterable[dict[str, Any]]
+                             ) -> list[Imported]:
+        listed = [r async for r in records] if isinstance(records, AsyncIterable) else list(
+            records)
+        header = _header(listed[0] if listed else None)
+        return [await self._send(routes.import_records(user, header, chunk))
+                for chunk in _chunks(iter(listed[1:]))]
 
     async def forget(self, user: str) -> Forgotten:
         return await self._send(routes.forget(user))

@@ -53,6 +53,7 @@ class Fact(Result):
     superseded_by: int | None = None  # the version that replaced it
     kv: FactKV
     replaces: int | None = None  # an edit's result: the version it retired
+    event_id: str | None = None  # an add's result: its event (``MemoryClient.event``)
 
 
 class FactPage(Result):
@@ -86,6 +87,38 @@ class TurnsAdded(Result):
 
     accepted: list[str]
     refused: list[RefusedTurn]
+    event_id: str | None = None  # how far the accepted turns have come (None: none accepted)
+
+
+class Imported(Result):
+    """One import request: the facts stored, in the records' order, and those skipped (the
+    owner held them already); the event says when the stored ones are encoded."""
+
+    imported: list[int]
+    skipped: int
+    event_id: str
+
+
+class ProducedFact(Result):
+    id: int
+    live: bool  # False: edited or deleted since
+    encoded: bool  # its KV made for the answering server's model
+    encode_error: str | None = None  # why its last encode failed, while it waits for a retry
+
+
+class Event(Result):
+    """How far an add has come: ``stage`` is ``queued`` (a turn not stored yet), ``stored``
+    (not extracted yet), ``extracted`` (a live fact it produced not encoded yet) or
+    ``encoded`` (ready: every live fact it produced is injected as KV)."""
+
+    id: str
+    user_id: str
+    stage: str
+    created_at: datetime
+    turns: int
+    turns_stored: int
+    turns_extracted: int
+    facts: list[ProducedFact]
 
 
 class Forgotten(Result):

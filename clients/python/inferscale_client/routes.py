@@ -15,15 +15,18 @@ from pydantic import TypeAdapter
 
 from inferscale_client.results import (
     Deleted,
+    Event,
     Fact,
     FactPage,
     Forgotten,
+    Imported,
     SearchHit,
     TurnsAdded,
 )
 
 T = TypeVar("T")
 API = "/v1/memory"
+MAX_IMPORT = 1000  # records per import request (the server's bound)
 _HITS = TypeAdapter(list[SearchHit])
 _VERSIONS = TypeAdapter(list[Fact])
 
@@ -37,6 +40,7 @@ class Call(Generic[T]):
     read: Callable[[Any], T]
     params: dict[str, Any] = field(default_factory=dict)
     body: dict[str, Any] | None = None
+    wait_s: float = 0.0  # how long the server may hold the answer back (added to the timeout)
 
 
 def _user(user: str) -> str:
@@ -94,6 +98,22 @@ def add_turns(user: str, turns: list[dict[str, Any]], agent_id: str | None = Non
               run_id: str | None = None) -> Call[TurnsAdded]:
     return Call("POST", f"{_user(user)}/turns", TurnsAdded.model_validate,
                 body={"turns": turns, **_scope(agent_id, run_id)})
+
+
+def event(user: str, event_id: str, wait: float) -> Call[Event]:
+    return Call("GET", f"{_user(user)}/events/{quote(event_id, safe='')}", Event.model_validate,
+                {"wait": wait}, wait_s=max(0.0, wait))
+
+
+def export(user: str, agent_id: str | None = None, run_id: str | None = None) -> Call[None]:
+    """The owner's memory as JSON Lines (streamed: the body is read line by line)."""
+    return Call("GET", f"{_user(user)}/export", lambda _: None, _scope(agent_id, run_id))
+
+
+def import_records(user: str, header: dict[str, Any], facts: list[dict[str, Any]]
+                   ) -> Call[Imported]:
+    return Call("POST", f"{_user(user)}/import", Imported.model_validate,
+                body={"header": header, "facts": facts})
 
 
 def forget(user: str) -> Call[Forgotten]:
