@@ -183,4 +183,4 @@ def _new_fact(turn: ClaimedTurn, ordinal: int, draft: Draft, vector) -> NewFact:
     return NewFact(user_id=turn.user_id, conversation_id=turn.conversation_id,
                    turn_ids=(turn.turn_id,), ordinal=ordinal, extractor=draft.extractor,
                    text=draft.text, ts=turn.ts, embedding=vector.tolist(),
-                   agent_id=turn.agent_id, run_id=turn.run_id)
+                   agent_id=turn.agent_id, run_id=turn.run_id, metadata=turn.metadata)

@@ -267,7 +267,7 @@ class IngestWorker:
         """Each event's turn row and when it was published."""
         return [(StoredTurn(user_id=e.user_id, conversation_id=e.conversation_id,
                             turn_id=e.turn_id, speaker=e.speaker, text=e.text, ts=e.timestamp,
-                            agent_id=e.agent_id, run_id=e.run_id,
+                            agent_id=e.agent_id, run_id=e.run_id, metadata=e.metadata or {},
                             source_topic=r.topic, source_partition=r.partition,
                             source_offset=r.offset),
                  datetime.fromtimestamp(r.timestamp / 1000, UTC)) for e, r in items]

@@ -1,10 +1,13 @@
-"""Turn event contract (v1, v2) and its validation for the ingest topic.
+"""Turn event contract (v1, v2, v3) and its validation for the ingest topic.
 
 :func:`parse_turn` is the one gate between the topic and the database: whatever bytes arrive,
 it returns a valid :class:`TurnEvent` or raises :class:`InvalidEvent` with a short reason.
-v2 adds optional scopes (``agent_id``, ``run_id``: ``contracts/scope.py``); a v1 record is read
-as before (fields it does not define, scopes included, are ignored), so v1 producers keep
-working. A producer writes v1 where a turn has no scope (``TurnEvent`` picks the version).
+v2 adds optional scopes (``agent_id``, ``run_id``: ``contracts/scope.py``); v3 adds optional
+``metadata`` (``contracts/metadata.py``), which the facts extracted from the turn carry. A
+record is read as its version defines it (fields it does not define are ignored), so older
+producers keep working; a producer writes the lowest version that holds the turn
+(``TurnEvent`` picks it), so older consumers read every turn they can, and refuse (rather than
+silently drop) the fields they cannot.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from inferscale.contracts.metadata import Metadata
 from inferscale.contracts.scope import SCOPE_FIELDS, OwnerId, Scope, ScopeValue
 
-TURN_EVENT_VERSIONS: Final = (1, 2)
+TURN_EVENT_VERSIONS: Final = (1, 2, 3)
+# What each version does not define (ignored when read, never written).
+UNDEFINED: Final = {1: (*SCOPE_FIELDS, "metadata"), 2: ("metadata",), 3: ()}
 STRING_FIELDS = ("user_id", "conversation_id", "turn_id", "speaker", "text", *SCOPE_FIELDS)
 
 
@@ -35,7 +41,7 @@ class TurnEvent(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    version: Literal[1, 2] = 1
+    version: Literal[1, 2, 3] = 1
     user_id: OwnerId
     conversation_id: str = Field(min_length=1, max_length=256)
     turn_id: str = Field(min_length=1, max_length=256)
@@ -44,19 +50,23 @@ class TurnEvent(BaseModel):
     timestamp: datetime
     agent_id: ScopeValue | None = None
     run_id: ScopeValue | None = None
+    metadata: Metadata | None = None  # carried by the facts extracted from the turn
 
     @model_validator(mode="before")
     @classmethod
     def _version(cls, data: Any) -> Any:
-        """Unset: 2 where the turn has a scope, else 1 (what v1 consumers read); v1 with a
-        scope is refused (a v1 record's scopes are dropped by :func:`parse_turn`)."""
+        """Unset: the lowest version defining every field the turn sets; a version that does
+        not define a field the turn sets is refused (:func:`parse_turn` drops them from a
+        record before this sees it)."""
         if not isinstance(data, dict):
             return data
-        scoped = any(data.get(name) is not None for name in SCOPE_FIELDS)
+        needs = 3 if data.get("metadata") is not None else 2 if any(
+            data.get(name) is not None for name in SCOPE_FIELDS) else 1
         if data.get("version") is None:
-            return {**data, "version": 2 if scoped else 1}
-        if data["version"] == 1 and scoped:
-            raise ValueError("agent_id and run_id need version 2")
+            return {**data, "version": needs}
+        if isinstance(data["version"], int) and data["version"] < needs:
+            raise ValueError("agent_id and run_id need version 2" if needs == 2
+                             else "metadata needs version 3")
         return data
 
     @property
@@ -74,9 +84,8 @@ class TurnEvent(BaseModel):
             raise ValueError("timestamp out of range") from None
 
     def to_bytes(self) -> bytes:
-        """The record's value: v1 records carry no scope fields."""
-        return self.model_dump_json(
-            exclude=set(SCOPE_FIELDS) if self.version == 1 else None).encode()
+        """The record's value: only the fields its version defines."""
+        return self.model_dump_json(exclude=set(UNDEFINED[self.version])).encode()
 
 
 def parse_turn(raw: bytes | None, max_text_bytes: int) -> TurnEvent:
@@ -99,8 +108,8 @@ def _parse(raw: bytes | None, max_text_bytes: int) -> TurnEvent:
     version = data.get("version")
     if type(version) is not int or version not in TURN_EVENT_VERSIONS:  # not true, not 1.0
         raise InvalidEvent(f"unknown version: {reprlib.repr(version)}")
-    if version == 1:  # v1 defines no scopes: ignored, as every field it does not define
-        data = {k: v for k, v in data.items() if k not in SCOPE_FIELDS}
+    # fields the version does not define are ignored, as every unknown field
+    data = {k: v for k, v in data.items() if k not in UNDEFINED[version]}
     _check_strings(data, max_text_bytes)
     try:
         event = TurnEvent.model_validate(data)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     func,
@@ -37,6 +38,7 @@ class ClaimedTurn:
     context: list[str]  # "<speaker>: <text>" of the preceding turns, oldest first
     agent_id: str | None = None  # the turn's scopes
     run_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # the turn's
 
     @property
     def scope(self) -> Scope:
@@ -65,7 +67,7 @@ _CLAIM_TURNS = text("""
         WHERE (t.user_id, t.conversation_id, t.turn_id)
             = (p.user_id, p.conversation_id, p.turn_id)
         RETURNING t.user_id, t.conversation_id, t.turn_id, t.speaker, t.text, t.ts,
-                  t.extract_claims, t.agent_id, t.run_id
+                  t.extract_claims, t.agent_id, t.run_id, t.metadata
     )
     SELECT t.*, COALESCE(ARRAY(
         SELECT c.speaker || ': ' || c.text FROM turns c
@@ -87,7 +89,7 @@ async def claim_unextracted_turns(conn: AsyncConnection, limit: int, lease_s: fl
     return [ClaimedTurn(user_id=r.user_id, conversation_id=r.conversation_id, turn_id=r.turn_id,
                         speaker=r.speaker, text=r.text, ts=r.ts, claim=r.extract_claims,
                         context=list(reversed(r.context)), agent_id=r.agent_id,
-                        run_id=r.run_id) for r in rows]
+                        run_id=r.run_id, metadata=r.metadata) for r in rows]
 
 @dataclass(frozen=True)
 class StoredFact:

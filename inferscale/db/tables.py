@@ -33,6 +33,7 @@ turns = Table(
     Column("ts", DateTime(timezone=True), nullable=False),
     Column("agent_id", String(256)),  # the turn's scopes (migration 0011; NULL: none)
     Column("run_id", String(256)),
+    Column("metadata", JSONB, nullable=False, server_default="{}"),  # migration 0017
     Column("source_topic", String(256)),
     Column("source_partition", Integer),
     Column("source_offset", BigInteger),

@@ -4,8 +4,9 @@ SQL is parameterized."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     func,
@@ -30,6 +31,7 @@ class StoredTurn:
     ts: datetime
     agent_id: str | None = None
     run_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # given to its facts
     source_topic: str | None = None
     source_partition: int | None = None
     source_offset: int | None = None
@@ -48,6 +50,7 @@ class NewFact:
     embedding: Sequence[float]
     agent_id: str | None = None  # its turn's scopes
     run_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # its turn's
 
 async def upsert_turns(conn: AsyncConnection, rows: Sequence[StoredTurn]) -> int:
     """Insert turns, ignoring ones already stored (natural key). Returns how many were new."""

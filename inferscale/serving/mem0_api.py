@@ -298,14 +298,11 @@ async def add(body: AddBody, service: Service, caller: Admission) -> dict[str, A
                 "status": "SUCCEEDED", "message": f"{len(records)} memories stored",
                 "event_id": await ops.record_event(service, owner,
                                                    fact_ids=[r.id for r in records])}
-    if body.metadata:
-        raise HTTPException(400, "metadata with infer=true is not kept yet: facts extracted "
-                                 "from turns carry none (add with infer=false to set it)")
     conversation = scope.run_id or "mem0"
     turns = [TurnEvent(user_id=owner, conversation_id=conversation,
                        turn_id=f"mem0-{uuid.uuid4().hex}", speaker=m.name or m.role,
                        text=m.content, timestamp=when, agent_id=scope.agent_id,
-                       run_id=scope.run_id) for m in body.messages]
+                       run_id=scope.run_id, metadata=body.metadata) for m in body.messages]
     if any(len(t.text.encode()) > service.settings.max_text_bytes for t in turns):
         raise HTTPException(400, "a message is longer than max_text_bytes")
     await ops.publish_turns(service, turns)

@@ -421,3 +421,21 @@ def test_the_extraction_prompt_stays_small_whatever_the_turns_hold():
     messages = extract_prompt(TurnInContext("Mal\u0000lory", huge, TS, [huge] * 3))
     assert sum(len(m["content"]) for m in messages) < 7000
     assert messages[0]["content"].startswith("You keep a personal assistant's memory")
+
+
+async def test_a_turns_metadata_reaches_the_facts_extracted_from_it(settings, engine, embedder):
+    """A v3 turn's metadata is stored with the turn (through the real broker) and carried by
+    each fact extracted from it; a turn without metadata gives facts ``{}``."""
+    user = f"extract-{uuid.uuid4().hex[:6]}"
+    tagged = turn(user, "t0", "Kim", "I swim on Tuesdays.").model_copy(
+        update={"metadata": {"source": "app", "tags": ["sport"]}, "version": 3})
+    await ingest(settings, engine, [tagged, turn(user, "t1", "Kim", "I cook on Fridays.")])
+    await extract_all(settings, engine, embedder)
+    async with engine.connect() as conn:
+        stored = (await conn.execute(select(turns.c.turn_id, turns.c.metadata).where(
+            turns.c.user_id == user).order_by(turns.c.turn_id))).all()
+        extracted = (await conn.execute(select(facts.c.turn_ids, facts.c.metadata).where(
+            facts.c.user_id == user).order_by(facts.c.id))).all()
+    assert [tuple(r) for r in stored] == [("t0", tagged.metadata), ("t1", {})]
+    assert [(tuple(r.turn_ids), r.metadata) for r in extracted] == [
+        (("t0",), tagged.metadata), (("t1",), {})]

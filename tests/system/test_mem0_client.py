@@ -113,7 +113,7 @@ async def test_the_async_client_infer_true_goes_through_extraction(served, smol,
     user = f"mem0-{uuid.uuid4().hex[:6]}"
     memory = AsyncMemoryClient(host=served.url, api_key=SUITE_KEY)
     queued = await memory.add([{"role": "user", "content": "My cat Tiger is nine years old."}],
-                              user_id=user, run_id="s1")
+                              user_id=user, run_id="s1", metadata={"topic": "pets"})
     assert queued["status"] == "PENDING" and queued["results"] == []
     drain = settings.model_copy(update={
         "turns_topic": served.settings.turns_topic,
@@ -122,6 +122,7 @@ async def test_the_async_client_infer_true_goes_through_extraction(served, smol,
     await ingest_and_encode(drain, engine, embedder, [])
     page = await memory.get_all(filters={"AND": [{"user_id": user}, {"run_id": "s1"}]})
     assert page["count"] == 1 and "Tiger" in page["results"][0]["memory"]
+    assert page["results"][0]["metadata"] == {"topic": "pets"}  # the turn's, kept by its fact
     # the add's event: extracted into that memory (no encoder ran here)
     event = NativeClient(served.url, api_key=SUITE_KEY).event(user, queued["event_id"])
     assert event.stage == "extracted" and [str(f.id) for f in event.facts] == [

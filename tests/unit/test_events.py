@@ -50,6 +50,24 @@ def test_v2_events_carry_scopes_and_v1_events_keep_working():
         TurnEvent.model_validate({**GOOD, "agent_id": "coach"})
 
 
+def test_v3_events_carry_metadata_and_older_versions_never_write_it():
+    """v3 round-trips metadata; v1 and v2 records are read without it (not a field they
+    define); a producer's event is v3 only when it has metadata, and an older version with
+    metadata is refused rather than written without it."""
+    v3 = parse_turn(_raw(version=3, metadata={"topic": "tea", "n": 2}, run_id="s1"), 100)
+    assert (v3.version, v3.metadata, v3.run_id) == (3, {"topic": "tea", "n": 2}, "s1")
+    assert parse_turn(v3.to_bytes(), 100) == v3
+    for version in (1, 2):
+        older = parse_turn(_raw(version=version, metadata={"topic": "tea"}), 100)
+        assert older.metadata is None and b"metadata" not in older.to_bytes()
+    fields = {k: v for k, v in GOOD.items() if k != "version"}
+    assert TurnEvent.model_validate({**fields, "metadata": {"a": 1}}).version == 3
+    assert TurnEvent.model_validate({**fields, "agent_id": "coach"}).version == 2
+    for version in (1, 2):
+        with pytest.raises(ValueError, match="version 3"):
+            TurnEvent.model_validate({**fields, "version": version, "metadata": {"a": 1}})
+
+
 def test_naive_timestamp_is_utc():
     event = parse_turn(json.dumps({**GOOD, "timestamp": "2025-01-02T03:04:05"}).encode(), 100)
     assert event.timestamp.tzinfo is not None
@@ -65,7 +83,12 @@ def _raw(**fields) -> bytes:
         (b"{not json", "invalid json"),
         (b"\xff\xfe", "invalid json"),
         (b"[1, 2]", "not a json object"),
-        (_raw(version=3), "unknown version: 3"),
+        (_raw(version=4), "unknown version: 4"),
+        (_raw(version=3, metadata={"": 1}), "metadata"),
+        (_raw(version=3, metadata=[1]), "metadata"),
+        (_raw(version=3, metadata={"k": "a\x00b"}), "metadata"),
+        (_raw(version=3, metadata={"k": "x" * 5000}),
+         "metadata"),
         (_raw(version=2, agent_id=""), "agent_id"),
         (_raw(version=2, run_id="r\x00"), "run_id contains NUL"),
         (_raw(version=2, agent_id="a" * 257), "agent_id"),
