@@ -121,8 +121,13 @@ async def test_the_async_client_adds_and_reads_its_own_writes(served, smol, cfg,
     encoder, store = smol
     user = f"api-{uuid.uuid4().hex[:6]}"
     async with AsyncMemoryClient(served.url) as memory:
-        added = await memory.add_fact(user, "Ines's favourite colour is teal.")
+        added = await memory.add_fact(user, "Ines's favourite colour is teal.",
+                                      metadata={"topic": "colours"})
         assert added["extractor"] == "operator" and not added["kv"]["encoded"]
+        assert added.metadata == {"topic": "colours"}
+        assert [h.id for h in await memory.search(user, "colour", filters={"topic": "colours"})
+                ] == [added.id]
+        assert await memory.search(user, "colour", filters={"topic": "cars"}) == []
         direct = await memory.event(user, added.event_id)
         assert direct.stage == "extracted" and [f.id for f in direct.facts] == [added["id"]]
         assert _served_ids(served.chat(user, "What is Ines's favourite colour?", k=1)) == [

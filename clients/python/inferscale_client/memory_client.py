@@ -128,19 +128,25 @@ class MemoryClient:
         return self._send(routes.history(user, fact_id))
 
     def search(self, user: str, query: str, k: int = 10, agent_id: str | None = None,
-               run_id: str | None = None) -> list[SearchHit]:
-        """The owner's k facts the server would retrieve for ``query``, with scores."""
-        return self._send(routes.search(user, query, k, agent_id, run_id))
+               run_id: str | None = None, filters: dict[str, Any] | None = None
+               ) -> list[SearchHit]:
+        """The owner's k facts the server would retrieve for ``query`` (passing ``filters``,
+        the filter language of the API), with scores."""
+        return self._send(routes.search(user, query, k, agent_id, run_id, filters))
 
     def add_fact(self, user: str, text: str, conversation_id: str = "operator",
-                 agent_id: str | None = None, run_id: str | None = None) -> Fact:
+                 agent_id: str | None = None, run_id: str | None = None,
+                 metadata: dict[str, Any] | None = None) -> Fact:
         """A fact given directly (no source turn), by a key that may write the owner's scope;
         its ``event_id`` says when it is encoded."""
-        return self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id))
+        return self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id,
+                                          metadata))
 
-    def edit_fact(self, user: str, fact_id: int, text: str) -> Fact:
-        """The new version of the fact (a new id, ``replaces`` the old one, now retired)."""
-        return self._send(routes.edit_fact(user, fact_id, text))
+    def edit_fact(self, user: str, fact_id: int, text: str | None = None,
+                  metadata: dict[str, Any] | None = None) -> Fact:
+        """The new version of the fact (new text and / or metadata; a new id, ``replaces``
+        the old one, now retired)."""
+        return self._send(routes.edit_fact(user, fact_id, text, metadata))
 
     def delete_fact(self, user: str, fact_id: int) -> Deleted:
         return self._send(routes.delete_fact(user, fact_id))
@@ -229,15 +235,19 @@ class AsyncMemoryClient:
         return await self._send(routes.history(user, fact_id))
 
     async def search(self, user: str, query: str, k: int = 10, agent_id: str | None = None,
-                     run_id: str | None = None) -> list[SearchHit]:
-        return await self._send(routes.search(user, query, k, agent_id, run_id))
+                     run_id: str | None = None, filters: dict[str, Any] | None = None
+                     ) -> list[SearchHit]:
+        return await self._send(routes.search(user, query, k, agent_id, run_id, filters))
 
     async def add_fact(self, user: str, text: str, conversation_id: str = "operator",
-                       agent_id: str | None = None, run_id: str | None = None) -> Fact:
-        return await self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id))
+                       agent_id: str | None = None, run_id: str | None = None,
+                       metadata: dict[str, Any] | None = None) -> Fact:
+        return await self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id,
+                                                metadata))
 
-    async def edit_fact(self, user: str, fact_id: int, text: str) -> Fact:
-        return await self._send(routes.edit_fact(user, fact_id, text))
+    async def edit_fact(self, user: str, fact_id: int, text: str | None = None,
+                        metadata: dict[str, Any] | None = None) -> Fact:
+        return await self._send(routes.edit_fact(user, fact_id, text, metadata))
 
     async def delete_fact(self, user: str, fact_id: int) -> Deleted:
         return await self._send(routes.delete_fact(user, fact_id))

@@ -47,6 +47,7 @@ class Fact(Result):
     extractor: str
     agent_id: str | None = None
     run_id: str | None = None
+    metadata: dict[str, Any] = {}  # the application's (``{}``: none)
     ts: datetime
     created_at: datetime
     deleted_at: datetime | None = None  # set on a retired version

@@ -71,23 +71,30 @@ def history(user: str, fact_id: int) -> Call[list[Fact]]:
                 lambda body: _VERSIONS.validate_python(body["versions"]))
 
 
+def _given(**fields: Any) -> dict[str, Any]:
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def search(user: str, query: str, k: int, agent_id: str | None = None,
-           run_id: str | None = None) -> Call[list[SearchHit]]:
+           run_id: str | None = None, filters: dict[str, Any] | None = None
+           ) -> Call[list[SearchHit]]:
     return Call("POST", f"{_user(user)}/search",
                 lambda body: _HITS.validate_python(body["hits"]),
-                body={"query": query, "k": k, **_scope(agent_id, run_id)})
+                body={"query": query, "k": k, **_scope(agent_id, run_id),
+                      **_given(filters=filters)})
 
 
 def add_fact(user: str, text: str, conversation_id: str, agent_id: str | None = None,
-             run_id: str | None = None) -> Call[Fact]:
+             run_id: str | None = None, metadata: dict[str, Any] | None = None) -> Call[Fact]:
     return Call("POST", f"{_user(user)}/facts", Fact.model_validate,
                 body={"text": text, "conversation_id": conversation_id,
-                      **_scope(agent_id, run_id)})
+                      **_scope(agent_id, run_id), **_given(metadata=metadata)})
 
 
-def edit_fact(user: str, fact_id: int, text: str) -> Call[Fact]:
+def edit_fact(user: str, fact_id: int, text: str | None,
+              metadata: dict[str, Any] | None = None) -> Call[Fact]:
     return Call("PATCH", f"{_user(user)}/facts/{int(fact_id)}", Fact.model_validate,
-                body={"text": text})
+                body=_given(text=text, metadata=metadata))
 
 
 def delete_fact(user: str, fact_id: int) -> Call[Deleted]:

@@ -1,9 +1,11 @@
-"""The memory API over HTTP on the real server, through ``inferscale.client``: listing, reading
-and searching an owner with 10,000 facts (rows as an encoded owner's; the first search also
-loads the owner's vectors into the server's index), and an edit's way to being served: the
-PATCH, the next chat request (the new version, as text) and the time until a worker has encoded
-the new version and a chat request injects it as KV (asked without tail recompute, which would
-prefill the one fact retrieved as text)."""
+"""The memory API over HTTP on the real server, through ``inferscale.client``: listing, reading,
+searching (with and without a metadata filter) and exporting an owner with 10,000 facts (rows as
+an encoded owner's; the first search also loads the owner's vectors into the server's index);
+an edit's way to being served: the PATCH, the next chat request (the new version, as text) and
+the time until a worker has encoded the new version and a chat request injects it as KV (asked
+without tail recompute, which would prefill the one fact retrieved as text); and an add's way
+to being ready, read from its event with ``wait``: a fact given directly, and a turn (stored,
+extracted, encoded by the worker)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,23 @@ async def _reads(url: str, user: str, questions: list[str], repeats: int) -> dic
             searches.append(time.perf_counter() - began)
         result["search k=10 (warm)"] = _summary(searches)
         result["search k=10 (first: loads the owner)"] = _summary([cold_search])
+        tenth = {"metadata": {"n": 3}}  # 1,000 of the 10,000 facts
+        filtered = []
+        for question in questions[:repeats]:
+            began = time.perf_counter()
+            hits = await memory.search(user, question, k=10, filters=tenth)
+            filtered.append(time.perf_counter() - began)
+            if len(hits) != 10:
+                raise RuntimeError(f"a filtered search found {len(hits)} facts, not 10")
+        result["search k=10, metadata filter (1 in 10 facts)"] = _summary(filtered)
+        exports = []
+        for _ in range(3):
+            began = time.perf_counter()
+            lines = sum([1 async for _ in memory.export(user)])
+            exports.append(time.perf_counter() - began)
+            if lines != FACTS_PER_OWNER + 1:
+                raise RuntimeError(f"exported {lines} lines, not {FACTS_PER_OWNER + 1}")
+        result[f"export ({FACTS_PER_OWNER} facts, JSON Lines)"] = _summary(exports)
     return result
 
 
@@ -118,6 +137,32 @@ async def _edits(url: str, user: str, edits: int) -> list[dict]:
     return rows
 
 
+async def _adds(url: str, user: str, adds: int) -> list[dict]:
+    """Add ``adds`` facts and ``adds`` turns one after another, each read from its event with
+    ``wait`` until it is encoded (the worker running): the add's answer, ready."""
+    rows = []
+    async with AsyncMemoryClient(url, timeout=300) as memory:
+        for n in range(adds):
+            for kind in ("fact", "turn"):
+                text = f"Add {n}: the bench's {kind} number {n} is about kites."
+                began = time.perf_counter()
+                if kind == "fact":
+                    event_id = (await memory.add_fact(user, text)).event_id
+                else:
+                    event_id = (await memory.add_turns(user, [{
+                        "conversation_id": "adds", "turn_id": f"add-{n}", "speaker": "Ines",
+                        "text": text, "timestamp": "2025-05-01T12:00:00Z"}])).event_id
+                answered = time.perf_counter()
+                while (event := await memory.event(user, str(event_id), wait=60)
+                       ).stage != "encoded":
+                    if time.perf_counter() - began > KV_TIMEOUT_S:
+                        raise TimeoutError(f"{kind} {n} not encoded in {KV_TIMEOUT_S}s")
+                rows.append({"kind": kind, "answered_s": answered - began,
+                             "ready_s": time.perf_counter() - began,
+                             "facts": len(event.facts)})
+    return rows
+
+
 def run(settings: Settings, data: Path, out_dir: Path, repeats: int = 20) -> dict:
     """Both phases on one server: reads of the 10,000-fact owner (no worker running), then edits
     of a small owner encoded by a worker that stays up to encode the new versions."""
@@ -143,6 +188,7 @@ def run(settings: Settings, data: Path, out_dir: Path, repeats: int = 20) -> dic
         with worker_process(settings, out_dir / "worker.log"):
             ingest_user(settings, small_user, turns)
             edits = asyncio.run(_edits(url, small_user, min(repeats, len(turns))))
+            adds = asyncio.run(_adds(url, small_user, min(repeats, 10)))
         asyncio.run(AsyncMemoryClient(url).forget(big_user))
     print_table(["memory API call (10,000 facts)", "n", "p50 ms", "p99 ms", "max ms"],
                 [[name, r["n"], r["p50_ms"], r["p99_ms"], r["max_ms"]]
@@ -152,11 +198,18 @@ def run(settings: Settings, data: Path, out_dir: Path, repeats: int = 20) -> dic
     print_table(["edit, from the PATCH's start", "n", "p50 ms", "p99 ms", "max ms"],
                 [[label, *_summary([e[key] for e in edits]).values()]
                  for label, key in stages.items()])
+    add_summary = {f"{kind}: {label}": _summary([a[key] for a in adds if a["kind"] == kind])
+                   for kind in ("fact", "turn")
+                   for label, key in (("add answered", "answered_s"),
+                                      ("ready (event encoded)", "ready_s"))}
+    print_table(["add, from the request's start", "n", "p50 ms", "p99 ms", "max ms"],
+                [[label, *r.values()] for label, r in add_summary.items()])
     report = {"facts_per_owner": FACTS_PER_OWNER, "reads": reads, "edits": edits,
               "edit_summary": {label: _summary([e[key] for e in edits])
                                for label, key in stages.items()},
               "every_edit_served_new_never_old": all(
                   e["new_version_served"] and not e["old_version_served"] for e in edits),
-              "every_encoded_edit_injected": all(e["injected_after_encode"] for e in edits)}
+              "every_encoded_edit_injected": all(e["injected_after_encode"] for e in edits),
+              "adds": adds, "add_summary": add_summary}
     write_report(out_dir, "memory-api", report)
     return report

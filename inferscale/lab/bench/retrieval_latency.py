@@ -56,15 +56,15 @@ def _timed(fn, inputs) -> list[float]:
 
 async def store_encoded_facts(engine, users: list[str], n: int, rng: np.random.Generator,
                  fingerprint: str) -> np.ndarray:
-    """n random unit vectors per user as facts "fact <i> ..." encoded for the model with this
-    fingerprint; the first user's vectors."""
+    """n random unit vectors per user as facts "fact <i> ..." (metadata ``{"n": i % 10}``)
+    encoded for the model with this fingerprint; the first user's vectors."""
     stored = []
     for user in users:
         vectors = rng.standard_normal((n, 384)).astype(np.float32)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         for start in range(0, n, 2000):
             rows = [NewFact(user, "bench", (f"t{i}",), 0, "bench", f"fact {i} {TEXT}",
-                            datetime.now(UTC), vectors[i].tolist())
+                            datetime.now(UTC), vectors[i].tolist(), metadata={"n": i % 10})
                     for i in range(start, min(start + 2000, n))]
             async with engine.begin() as conn:
                 await upsert_facts(conn, rows)
