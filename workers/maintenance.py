@@ -7,6 +7,8 @@
   KV of the least recently served users (and each user's oldest encodings beyond their budget)
   is evicted, rows first, then blobs (``db/kv_budget.py``); evicted facts are served as text
   and encoded again, before the backlog, once a request wants them.
+- Expiry (every ``expire_interval_s``): facts past their ``expires_at`` (never served from
+  then on) are retired, rows first, then their blobs of every model (``db/expiry.py``).
 - Model migration (``encode_migrate``): while no fact waits for this model's KV, the KV of
   every other model of facts that have this model's goes, a batch at a time (rows, then blobs).
 
@@ -28,6 +30,7 @@ from inferscale.core import failpoints
 from inferscale.core.settings import Settings
 from inferscale.db.deletion import blobs_owned
 from inferscale.db.encode_queue import count_pending_facts, drop_other_models
+from inferscale.db.expiry import retire_expired
 from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes
 from inferscale.kv.store import KVStore
 from workers import observe
@@ -44,6 +47,7 @@ class MaintenanceStats:
     swept: int = 0  # orphan blobs removed
     evicted: int = 0  # facts whose KV went to keep under the budgets
     migrated: int = 0  # other models' rows of facts that have this model's KV, dropped
+    expired: int = 0  # facts retired at their expiry
 
 
 async def sweep_orphan_blobs(engine: AsyncEngine, store: KVStore) -> int:
@@ -72,6 +76,7 @@ class MaintenanceWorker(BatchStage):
         self.stats = MaintenanceStats()
         self._next_sweep = 0.0
         self._next_eviction = 0.0
+        self._next_expiry = 0.0
 
     async def run(self, drain: bool = False) -> MaintenanceStats:
         """Maintain until stopped (or, with ``drain``, until nothing is left to do)."""
@@ -80,8 +85,29 @@ class MaintenanceWorker(BatchStage):
 
     async def handle_batch(self) -> int:
         swept, evicted = await self._sweep_when_due(), await self._evict_when_due()
+        expired = await self._expire_when_due()
         migrated = await self._migrate() if self.settings.encode_migrate else 0
-        return swept + evicted + migrated
+        return swept + evicted + expired + migrated
+
+    async def _expire_when_due(self) -> int:
+        """Retire expired facts (a batch a round) when a round is due: rows, then blobs;
+        returns how many."""
+        if time.monotonic() < self._next_expiry:
+            return 0
+        try:
+            async with self.engine.begin() as conn:
+                ids, locations = await retire_expired(conn, _EVICT_BATCH)
+            await asyncio.to_thread(self.store.delete, locations)
+        except Exception as exc:  # noqa: BLE001 - maintenance: tried again at the next round
+            log.warning("expiry failed: %s", exc)
+            ids = []
+        if len(ids) < _EVICT_BATCH:  # else the next batch at once
+            self._next_expiry = time.monotonic() + self.settings.expire_interval_s
+        if ids:
+            log.info("retired %d expired facts", len(ids))
+            observe.FACTS_EXPIRED.inc(len(ids))
+        self.stats.expired += len(ids)
+        return len(ids)
 
     async def _sweep_when_due(self) -> int:
         """Remove orphan blobs when a sweep is due; returns how many."""

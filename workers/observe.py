@@ -30,6 +30,8 @@ KV_EVICTED_FACTS = Counter("inferscale_worker_kv_evicted_facts",
                            "Facts whose KV was evicted to keep under the KV budget")
 KV_EVICTED_BYTES = Counter("inferscale_worker_kv_evicted_bytes",
                            "Bytes of KV blobs evicted to keep under the KV budget")
+FACTS_EXPIRED = Counter("inferscale_worker_facts_expired",
+                        "Facts retired at their expires_at (their KV removed)")
 KV_RESTORED_FACTS = Counter("inferscale_worker_kv_restored_facts",
                             "Facts whose evicted KV was encoded again because a request wanted it")
 KV_MIGRATED_FACTS = Counter("inferscale_worker_kv_migrated_facts",

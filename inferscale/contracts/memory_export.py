@@ -69,6 +69,7 @@ class ExportedFact(BaseModel):
     created_at: AwareDatetime
     deleted_at: AwareDatetime | None = None
     superseded_by: int | None = Field(default=None, ge=1, lt=2**63)
+    expires_at: AwareDatetime | None = None  # never served after
 
     @model_validator(mode="after")
     def _history(self) -> ExportedFact:

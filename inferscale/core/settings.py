@@ -267,6 +267,9 @@ class Settings(BaseSettings):
         "it (inferscale_worker_model_calls_stuck) and dies, so /readyz and /healthz answer 503 "
         "and the batch's leases run out for another worker. Keep it well above a batch's encode "
         "time."))
+    expire_interval_s: float = Field(default=30.0, gt=0, allow_inf_nan=False, description=(
+        "How often the maintenance stage retires facts past their expires_at and removes their "
+        "KV (they are never served from expires_at on, whatever this is)"))
     orphan_sweep_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False, description=(
         "Every maintenance stage removes orphan blobs (their fact is gone: a worker died between "
         "its write and its check) at start and then this often; each sweep lists the whole tier."))

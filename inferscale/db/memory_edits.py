@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from types import EllipsisType
 from typing import Any
 
 from sqlalchemy import Select, and_, func, select, text
@@ -24,7 +25,7 @@ from inferscale.contracts.filters import EVERYTHING, Node
 from inferscale.contracts.scope import ANY, Scope
 from inferscale.db.deletion import kv_locations
 from inferscale.db.filter_sql import filter_sql
-from inferscale.db.reads import in_scope
+from inferscale.db.reads import current, in_scope
 from inferscale.db.tables import fact_kv, facts
 from inferscale.db.turns import lock_users
 
@@ -57,6 +58,7 @@ class FactRecord:
     agent_id: str | None
     run_id: str | None
     metadata: dict[str, Any]
+    expires_at: datetime | None
 
     def as_json(self, memory_tiers: list[str] | None = None) -> dict[str, Any]:
         """The record as the API returns it (timestamps in ISO 8601), with the tiers that
@@ -69,6 +71,7 @@ class FactRecord:
                 "created_at": self.created_at.isoformat(),
                 "deleted_at": self.deleted_at.isoformat() if self.deleted_at else None,
                 "superseded_by": self.superseded_by,
+                "expires_at": self.expires_at.isoformat() if self.expires_at else None,
                 "kv": {"encoded": self.kv_encoded, "tokens": self.token_count,
                        "bytes": self.kv_bytes, "evicted": self.kv_evicted, "tiers": tiers,
                        "model_fingerprint": self.model_fingerprint,
@@ -83,7 +86,8 @@ def _records(fingerprint: str) -> Select:
                   facts.c.deleted_at, facts.c.superseded_by, k.token_count,
                   k.kv_location.is_not(None).label("kv_encoded"), k.kv_location, k.kv_bytes,
                   k.kv_evicted_at.is_not(None).label("kv_evicted"), k.model_fingerprint,
-                  k.encoded_at, facts.c.agent_id, facts.c.run_id, facts.c.metadata).select_from(
+                  k.encoded_at, facts.c.agent_id, facts.c.run_id, facts.c.metadata,
+                  facts.c.expires_at).select_from(
         facts.outerjoin(fact_kv, and_(k.fact_id == facts.c.id,
                                       k.model_fingerprint == fingerprint)))
 
@@ -99,7 +103,7 @@ async def list_facts(conn: AsyncConnection, user_id: str, fingerprint: str, afte
     ``after_id``, in id order, at most ``limit`` after skipping ``offset``, with their KV for
     model ``fingerprint``."""
     rows = await conn.execute(_records(fingerprint).where(
-        facts.c.user_id == user_id, facts.c.deleted_at.is_(None), facts.c.id > after_id,
+        facts.c.user_id == user_id, current(), facts.c.id > after_id,
         *in_scope(scope), filter_sql(where)).order_by(facts.c.id).offset(offset).limit(limit))
     return [_record(row) for row in rows]
 
@@ -107,7 +111,7 @@ async def list_facts(conn: AsyncConnection, user_id: str, fingerprint: str, afte
 async def count_facts(conn: AsyncConnection, user_id: str, where: Node = EVERYTHING) -> int:
     """How many live facts of the owner pass the filter ``where``."""
     return int((await conn.execute(select(func.count()).select_from(facts).where(
-        facts.c.user_id == user_id, facts.c.deleted_at.is_(None), filter_sql(where))
+        facts.c.user_id == user_id, current(), filter_sql(where))
     )).scalar_one())
 
 
@@ -116,7 +120,7 @@ async def get_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
     """These live facts of the owner (the others left out), in id order, with their KV for
     model ``fingerprint``."""
     rows = await conn.execute(_records(fingerprint).where(
-        facts.c.user_id == user_id, facts.c.deleted_at.is_(None), facts.c.id.in_(fact_ids))
+        facts.c.user_id == user_id, current(), facts.c.id.in_(fact_ids))
         .order_by(facts.c.id))
     return [_record(row) for row in rows]
 
@@ -212,11 +216,13 @@ async def fact_owner(conn: AsyncConnection, fact_id: int) -> tuple[str, int] | N
 
 async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_id: int,
                     new_text: str | None, embedding: list[float] | None,
-                    new_metadata: dict[str, Any] | None = None
+                    new_metadata: dict[str, Any] | None = None,
+                    new_expiry: datetime | None | EllipsisType = ...
                     ) -> tuple[FactRecord, list[str]] | None:
     """Replace one live fact of the owner by a new fact with ``new_text`` (and its
-    ``embedding``) and / or ``new_metadata`` (None: the old fact's; same owner, scope,
-    conversation, source turns and time; no KV yet) and retire the old one, superseded by it:
+    ``embedding``), ``new_metadata`` and / or ``new_expiry`` (None, ``...`` for the expiry:
+    the old fact's; same owner, scope, conversation, source turns and time; no KV yet) and
+    retire the old one, superseded by it:
     (the new fact, with its KV for model ``fingerprint``; the old fact's KV locations for every
     model, to remove everywhere); None where the owner has no such live fact."""
     await lock_users(conn, [user_id], exclusive=False)
@@ -234,7 +240,8 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_
         text=old.text if new_text is None else new_text, ts=old.ts,
         embedding=old.embedding if embedding is None else embedding,
         agent_id=old.agent_id, run_id=old.run_id,
-        metadata=old.metadata if new_metadata is None else new_metadata)
+        metadata=old.metadata if new_metadata is None else new_metadata,
+        expires_at=old.expires_at if new_expiry is ... else new_expiry)
         .returning(facts.c.id))).scalar_one()
     await conn.execute(facts.update().where(facts.c.id == fact_id).values(
         deleted_at=func.clock_timestamp(), superseded_by=new_id))
@@ -245,9 +252,11 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_
 
 async def add_fact(conn: AsyncConnection, user_id: str, fingerprint: str, conversation_id: str,
                    fact_text: str, ts: datetime, embedding: list[float], scope: Scope = ANY,
-                   metadata: dict[str, Any] | None = None) -> FactRecord:
-    """Store a fact given directly (in ``scope``, with ``metadata``; no source turn, no KV
-    yet), shown with its KV status for model ``fingerprint``."""
+                   metadata: dict[str, Any] | None = None, expires_at: datetime | None = None
+                   ) -> FactRecord:
+    """Store a fact given directly (in ``scope``, with ``metadata``, expiring at
+    ``expires_at``; no source turn, no KV yet), shown with its KV status for model
+    ``fingerprint``."""
     await lock_users(conn, [user_id], exclusive=False)
     ordinal = (await conn.execute(select(func.coalesce(func.max(facts.c.ordinal), -1) + 1).where(
         facts.c.user_id == user_id, facts.c.conversation_id == conversation_id,
@@ -255,8 +264,8 @@ async def add_fact(conn: AsyncConnection, user_id: str, fingerprint: str, conver
     new_id = (await conn.execute(insert(facts).values(
         user_id=user_id, conversation_id=conversation_id, turn_ids=[], ordinal=ordinal,
         extractor=OPERATOR_EXTRACTOR, text=fact_text, ts=ts, embedding=embedding,
-        agent_id=scope.agent_id, run_id=scope.run_id, metadata=metadata or {})
-        .returning(facts.c.id))).scalar_one()
+        agent_id=scope.agent_id, run_id=scope.run_id, metadata=metadata or {},
+        expires_at=expires_at).returning(facts.c.id))).scalar_one()
     record = await get_fact(conn, user_id, fingerprint, new_id)
     assert record is not None  # inserted in this transaction
     return record

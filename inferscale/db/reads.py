@@ -14,6 +14,7 @@ from sqlalchemy import (
     and_,
     cast,
     func,
+    or_,
     select,
     text,
 )
@@ -58,7 +59,7 @@ async def top_k_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
     # Rank first, then join the k hits' KV rows (a join before the limit would read the
     # model's KV rows of every fact of the owner).
     hits = (select(facts.c.id, facts.c.text, distance)
-            .where(facts.c.user_id == user_id, facts.c.deleted_at.is_(None), *in_scope(scope),
+            .where(facts.c.user_id == user_id, current(), *in_scope(scope),
                    filter_sql(where))
             .order_by(distance, facts.c.id).limit(k).subquery())
     kv = hits.outerjoin(fact_kv, and_(fact_kv.c.fact_id == hits.c.id,
@@ -102,17 +103,25 @@ class StoredEmbedding:
     run_id: str | None
     metadata: dict
     created_at: datetime
+    expires_at: datetime | None
 
 async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
                           ) -> list[StoredEmbedding]:
     """These facts' embeddings, scopes, metadata and times, in id order."""
     rows = await conn.execute(select(
         facts.c.id, func.vector_send(facts.c.embedding).label("embedding"), facts.c.agent_id,
-        facts.c.run_id, facts.c.metadata, facts.c.created_at)
+        facts.c.run_id, facts.c.metadata, facts.c.created_at, facts.c.expires_at)
         .where(facts.c.id == func.any(cast(list(fact_ids), ARRAY(BigInteger))))
         .order_by(facts.c.id))
     return [StoredEmbedding(r.id, bytes(r.embedding), r.agent_id, r.run_id, r.metadata,
-                            r.created_at) for r in rows]
+                            r.created_at, r.expires_at) for r in rows]
+
+def current() -> ColumnElement[bool]:
+    """Facts that may be served now: live (not retired) and not expired (an expired fact is
+    retired by the maintenance stage; until then, every read leaves it out)."""
+    return and_(facts.c.deleted_at.is_(None),
+                or_(facts.c.expires_at.is_(None), facts.c.expires_at > func.now()))
+
 
 def in_scope(scope: Scope) -> list[ColumnElement[bool]]:
     """SQL conditions selecting the facts in ``scope`` (none for a scope setting nothing)."""
@@ -124,7 +133,7 @@ _LIVE_FACTS = text("""
     FROM (SELECT 1) one
     LEFT JOIN memory_versions m ON m.user_id = :user
     LEFT JOIN facts f ON f.id = ANY(CAST(:ids AS bigint[])) AND f.user_id = :user
-        AND f.deleted_at IS NULL
+        AND f.deleted_at IS NULL AND (f.expires_at IS NULL OR f.expires_at > now())
     LEFT JOIN fact_kv k ON k.fact_id = f.id AND k.model_fingerprint = :fingerprint
 """)
 

@@ -63,6 +63,7 @@ facts = Table(
     Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
     Column("deleted_at", DateTime(timezone=True)),
     Column("superseded_by", BigInteger),
+    Column("expires_at", DateTime(timezone=True)),  # never served after (migration 0018)
     # The export record it was imported from, and the one that replaced it while that is not
     # imported yet (migration 0016; NULL: not imported / resolved).
     Column("import_key", String(64)),

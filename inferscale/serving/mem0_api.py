@@ -21,7 +21,7 @@ key may not act for: it tells nothing of other owners' facts.
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Annotated, Any, Final, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -58,7 +58,6 @@ NOT_HERE: Final = {
     "agent_custom_instructions": "extraction is configured on the server",
     "includes": "extraction is configured on the server",
     "excludes": "extraction is configured on the server",
-    "expiration_date": "facts do not expire here (yet)",
     "immutable": "every fact can be edited here",
     "structured_data_schema": "no structured extraction here",
     "rerank": "search ranks by exact cosine similarity; no reranker",
@@ -66,7 +65,7 @@ NOT_HERE: Final = {
     "reference_date": "no relative-time queries",
     "fields": "responses carry every field",
     "latest_only": "only the latest version of a fact is ever live here",
-    "show_expired": "facts do not expire here",
+    "show_expired": "an expired fact is never served or listed here",
     "start_date": "filter on created_at in filters",
     "end_date": "filter on created_at in filters",
     "enable_graph": "no graph memory here",
@@ -91,6 +90,7 @@ class Mem0Memory(BaseModel):
     created_at: str
     updated_at: str  # a version never changes: when it was stored
     score: float | None = None  # search only
+    expiration_date: str | None = None  # the last day it is served (expires_at's eve)
 
 
 class AddResult(BaseModel):
@@ -186,6 +186,13 @@ class AddBody(_Mem0Body):
     metadata: Metadata | None = None
     infer: bool = True
     timestamp: int | None = Field(default=None, ge=0, le=253402300799)  # unix seconds
+    expiration_date: date | None = None  # expires at the end of that day (UTC)
+
+    @property
+    def expires_at(self) -> datetime | None:
+        if self.expiration_date is None:
+            return None
+        return datetime.combine(self.expiration_date, time.min, UTC) + timedelta(days=1)
 
 
 class ListBody(_Mem0Body):
@@ -239,7 +246,9 @@ def memory_json(record: FactRecord, score: float | None = None) -> dict[str, Any
     return {"id": str(record.id), "memory": record.text, "user_id": record.user_id,
             "agent_id": record.agent_id, "run_id": record.run_id, "app_id": None,
             "metadata": record.metadata, "categories": [], "created_at": stored,
-            "updated_at": stored, "score": score}
+            "updated_at": stored, "score": score,
+            "expiration_date": (record.expires_at - timedelta(microseconds=1)).date().isoformat()
+            if record.expires_at else None}
 
 
 def _owner_and_filter(body: ListBody) -> tuple[str, Scope, Node]:
@@ -292,12 +301,16 @@ async def add(body: AddBody, service: Service, caller: Admission) -> dict[str, A
     when = datetime.fromtimestamp(body.timestamp, UTC) if body.timestamp else datetime.now(UTC)
     if not body.infer:
         records = [await ops.add_fact(service, owner, m.content, scope, "mem0", body.metadata,
-                                      when) for m in body.messages]
+                                      when, body.expires_at) for m in body.messages]
         return {"results": [{"id": str(r.id), "memory": r.text, "event": "ADD"}
                             for r in records],
                 "status": "SUCCEEDED", "message": f"{len(records)} memories stored",
                 "event_id": await ops.record_event(service, owner,
                                                    fact_ids=[r.id for r in records])}
+    if body.expiration_date is not None:
+        raise HTTPException(400, "expiration_date with infer=true is not offered by InferScale: "
+                                 "facts extracted from turns do not expire (add with "
+                                 "infer=false, or set expires_at on the facts)")
     conversation = scope.run_id or "mem0"
     turns = [TurnEvent(user_id=owner, conversation_id=conversation,
                        turn_id=f"mem0-{uuid.uuid4().hex}", speaker=m.name or m.role,

@@ -18,11 +18,13 @@ import binascii
 import dataclasses
 import importlib.resources
 import json
+from datetime import datetime
+from types import EllipsisType
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Path, Query
 from fastapi.responses import HTMLResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.filters import EVERYTHING, Node
@@ -104,25 +106,35 @@ class Filtered(Scoped):
 
 
 class NewFactBody(Scoped):
-    """A fact an operator adds directly (no source turn), in a scope, with metadata."""
+    """A fact added directly (no source turn), in a scope, with metadata, expiring at
+    ``expires_at`` (None: never)."""
 
     text: FactText
     conversation_id: str = Field(default="operator", min_length=1, max_length=256)
     metadata: Metadata | None = None
+    expires_at: AwareDatetime | None = None
 
 
 class EditBody(BaseModel):
-    """A fact's new text and / or metadata (at least one)."""
+    """A fact's new text, metadata and / or expiry (at least one; ``expires_at`` null: never
+    expires)."""
 
     model_config = ConfigDict(extra="forbid")
     text: FactText | None = None
     metadata: Metadata | None = None
+    expires_at: AwareDatetime | None = None
 
     @model_validator(mode="after")
     def _something(self) -> "EditBody":
-        if self.text is None and self.metadata is None:
-            raise ValueError("an edit sets text, metadata or both")
+        if self.text is None and self.metadata is None and "expires_at" not in (
+                self.model_fields_set):
+            raise ValueError("an edit sets text, metadata, expires_at or some of them")
         return self
+
+    @property
+    def expiry(self) -> datetime | None | EllipsisType:
+        """The new expiry (``...``: the old one's)."""
+        return self.expires_at if "expires_at" in self.model_fields_set else ...
 
 
 class SearchBody(Filtered):
@@ -235,7 +247,7 @@ async def add_fact(user_id: str, body: NewFactBody, service: Service, caller: Ad
     Served as text at once, injected once a worker encodes it (its event says when)."""
     caller.admit(user_id, body.scope, write=True)
     record = await ops.add_fact(service, user_id, body.text, body.scope, body.conversation_id,
-                                body.metadata)
+                                body.metadata, expires_at=body.expires_at)
     return {**record.as_json(), "event_id": await ops.record_event(service, user_id,
                                                                     fact_ids=[record.id])}
 
@@ -247,7 +259,8 @@ async def edit(user_id: str, fact_id: FactId, body: EditBody, service: Service,
     """A new version of the fact (new text and / or metadata) replaces it (served as text until
     it is encoded); the old version is never served again by any server once this returns."""
     grant = caller.admit(user_id, None, write=True)
-    record = await ops.edit_fact(service, grant, user_id, fact_id, body.text, body.metadata)
+    record = await ops.edit_fact(service, grant, user_id, fact_id, body.text, body.metadata,
+                                 body.expiry)
     return {**record.as_json(), "replaces": fact_id}
 
 

@@ -38,6 +38,7 @@ class Fact(BaseModel):
     created_at: str
     deleted_at: str | None
     superseded_by: int | None
+    expires_at: str | None  # never served from then on (None: never expires)
     kv: KVStatus
 
 

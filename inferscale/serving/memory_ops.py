@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from types import EllipsisType
 from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, HTTPException, Query, Request
@@ -179,24 +180,26 @@ async def embed(service: MemoryService, text: str) -> list[float]:
 
 async def add_fact(service: MemoryService, user_id: str, text: str, scope: Scope,
                    conversation_id: str, metadata: dict[str, Any] | None = None,
-                   ts: datetime | None = None) -> FactRecord:
-    """A fact given directly (no source turn; said at ``ts``, None: now): served as text at
-    once, injected once a worker encodes it."""
+                   ts: datetime | None = None, expires_at: datetime | None = None
+                   ) -> FactRecord:
+    """A fact given directly (no source turn; said at ``ts``, None: now; never served from
+    ``expires_at`` on): served as text at once, injected once a worker encodes it."""
     embedding = await embed(service, text)
     return await in_transaction(service, lambda conn, model: memory_edits.add_fact(
         conn, user_id, model, conversation_id, text, ts or datetime.now(UTC), embedding, scope,
-        metadata))
+        metadata, expires_at))
 
 
 async def edit_fact(service: MemoryService, grant: KeyGrant, user_id: str, fact_id: int,
-                    text: str | None, metadata: dict[str, Any] | None = None) -> FactRecord:
-    """A new version of the fact (new text and / or metadata; None: the old one's) replaces
-    it; the old one is never served again once this returns (its blobs dropped
-    everywhere)."""
+                    text: str | None, metadata: dict[str, Any] | None = None,
+                    expiry: datetime | None | EllipsisType = ...) -> FactRecord:
+    """A new version of the fact (new text, metadata and / or expiry; None, ``...`` for the
+    expiry: the old one's) replaces it; the old one is never served again once this returns
+    (its blobs dropped everywhere)."""
     await live_fact(service, grant, user_id, fact_id)
     embedding = None if text is None else await embed(service, text)
     edited = await in_transaction(service, lambda conn, model: memory_edits.edit_fact(
-        conn, user_id, model, fact_id, text, embedding, metadata))
+        conn, user_id, model, fact_id, text, embedding, metadata, expiry))
     if edited is None:
         raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
     record, locations = edited

@@ -15,6 +15,7 @@ is ranked by Postgres instead (exact, slower: ~2.5 us per fact).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -60,8 +61,9 @@ def decode_vectors(blobs: list[bytes]) -> np.ndarray:
 class OwnerVectors:
     """One owner's live facts at one memory version: ids ascending, their unit vectors in the
     first rows of ``buffer`` (rows past them are room for facts stored later), their scopes
-    (one object array per field of ``SCOPE_FIELDS``, None where unset) and what filters read of
-    each (``subjects``)."""
+    (one object array per field of ``SCOPE_FIELDS``, None where unset), what filters read of
+    each (``subjects``) and when each expires (POSIX seconds, inf: never; an expired fact is
+    never a result, whatever the version)."""
 
     version: int  # -1: read while it changed; reloaded on the next request
     inserted: int  # the owner's counters when read (``MemoryDelta``)
@@ -70,6 +72,7 @@ class OwnerVectors:
     buffer: np.ndarray  # float32, (capacity >= n, dim)
     scopes: tuple[np.ndarray, ...]  # object, (n,) each
     subjects: np.ndarray  # object, (n,): a filters.Subject per fact
+    expires: np.ndarray  # float64, (n,)
 
     @property
     def matrix(self) -> np.ndarray:
@@ -77,19 +80,21 @@ class OwnerVectors:
 
     @property
     def nbytes(self) -> int:
-        return self.ids.nbytes + self.buffer.nbytes + sum(s.nbytes for s in self.scopes)
+        return (self.ids.nbytes + self.buffer.nbytes + self.expires.nbytes
+                + sum(s.nbytes for s in self.scopes))
 
-    def nearest(self, query: np.ndarray, n: int, scope: Scope = ANY, where: Node = EVERYTHING
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, cosine distances) of the n nearest rows in ``scope`` passing ``where``,
-        nearest first, ties by id."""
-        ids, matrix = self.ids, self.matrix
+    def nearest(self, query: np.ndarray, n: int, scope: Scope = ANY, where: Node = EVERYTHING,
+                now: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, cosine distances) of the n nearest rows in ``scope`` passing ``where`` and
+        not expired at ``now`` (None: the clock's), nearest first, ties by id."""
+        rows = self.expires > (time.time() if now is None else now)
         if scope != ANY:
             fields = dict(zip(SCOPE_FIELDS, self.scopes, strict=True))
-            rows = np.logical_and.reduce([fields[name] == value for name, value in scope.items()])
-            ids, matrix = ids[rows], matrix[rows]
+            rows &= np.logical_and.reduce([fields[name] == value
+                                           for name, value in scope.items()])
+        ids, matrix = self.ids[rows], self.matrix[rows]
         if where != EVERYTHING:
-            subjects = self.subjects if scope == ANY else self.subjects[rows]
+            subjects = self.subjects[rows]
             passed = np.fromiter((matches(where, s) for s in subjects), bool, len(subjects))
             ids, matrix = ids[passed], matrix[passed]
         if n <= 0 or not len(ids):
@@ -229,6 +234,12 @@ def _scopes(fetched: list[StoredEmbedding]) -> tuple[np.ndarray, ...]:
     return tuple(np.array([getattr(f, name) for f in fetched], object) for name in SCOPE_FIELDS)
 
 
+def _expiries(fetched: list[StoredEmbedding]) -> np.ndarray:
+    """When each fetched fact expires (POSIX seconds; inf: never)."""
+    return np.array([f.expires_at.timestamp() if f.expires_at else np.inf for f in fetched],
+                    np.float64)
+
+
 def _subjects(user_id: str, fetched: list[StoredEmbedding]) -> np.ndarray:
     """What filters read of the fetched facts, one ``Subject`` each."""
     subjects = np.empty(len(fetched), object)
@@ -256,7 +267,8 @@ def _append(cached: OwnerVectors, delta: MemoryDelta, subjects: np.ndarray,
                    for held, new in zip(cached.scopes, _scopes(fetched), strict=True))
     return OwnerVectors(delta.version, delta.inserted, delta.retired,
                         np.concatenate([cached.ids, ids]), buffer, scopes,
-                        np.concatenate([cached.subjects, subjects]))
+                        np.concatenate([cached.subjects, subjects]),
+                        np.concatenate([cached.expires, _expiries(fetched)]))
 
 
 def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta, subjects: np.ndarray,
@@ -265,13 +277,14 @@ def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta, subjects: np.ndarr
     fetched_ids = np.asarray([f.id for f in fetched], np.int64)
     fetched_rows = _unit(decode_vectors([f.embedding for f in fetched]))
     parts_ids, parts_rows, parts_scopes = [fetched_ids], [fetched_rows], [_scopes(fetched)]
-    parts_subjects = [subjects]
+    parts_subjects, parts_expires = [subjects], [_expiries(fetched)]
     if cached is not None and len(cached.ids):
         kept = np.isin(cached.ids, np.asarray(delta.ids, np.int64), assume_unique=True)
         parts_ids.insert(0, cached.ids[kept])
         parts_rows.insert(0, cached.matrix[kept])
         parts_scopes.insert(0, tuple(s[kept] for s in cached.scopes))
         parts_subjects.insert(0, cached.subjects[kept])
+        parts_expires.insert(0, cached.expires[kept])
     parts_rows = [rows for rows, ids in zip(parts_rows, parts_ids, strict=True) if len(ids)]
     ids = np.concatenate(parts_ids)
     order = np.argsort(ids, kind="stable")
@@ -281,7 +294,8 @@ def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta, subjects: np.ndarr
         np.take(np.concatenate(parts_rows), order, axis=0, out=buffer[:len(ids)])
     scopes = tuple(np.concatenate(field)[order] for field in zip(*parts_scopes, strict=True))
     return OwnerVectors(delta.version, delta.inserted, delta.retired, ids[order], buffer,
-                        scopes, np.concatenate(parts_subjects)[order])
+                        scopes, np.concatenate(parts_subjects)[order],
+                        np.concatenate(parts_expires)[order])
 
 
 def _capacity(n: int) -> int:

@@ -14,6 +14,8 @@ from helpers import ingest_and_encode, sample_turns
 from inferscale.core import failpoints
 from inferscale.db.encode_queue import claim_pending_facts, count_pending_facts
 from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes, note_served
+from inferscale.db.memory_edits import list_facts
+from inferscale.db.reads import live_facts, top_k_facts
 from inferscale.db.tables import fact_kv, facts, memory_activity
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.store import KVStore
@@ -216,3 +218,35 @@ async def test_an_eviction_cut_short_before_its_blobs_loses_nothing(
     async with engine.connect() as conn:
         assert await held_kv_bytes(conn) >= others
     assert [r.text for r in await _rows(engine, user)] == [r.text for r in rows]
+
+
+async def test_an_expired_fact_is_never_read_and_its_kv_leaves_at_the_next_round(
+        settings, engine, embedder, tiny_encoder, tmp_path):
+    store = KVStore(LocalDir(tmp_path / "kv"), MODEL, host_bytes=0)
+    user, = await _users(settings.model_copy(update={"window": 2}), engine, embedder,
+                         tiny_encoder, store, "expiring")
+    rows = await _rows(engine, user)
+    gone, later = rows[0], rows[1]
+    async with engine.begin() as conn:
+        await conn.execute(facts.update().where(facts.c.id == gone.id).values(
+            expires_at=func.now() - timedelta(seconds=1)))
+        await conn.execute(facts.update().where(facts.c.id == later.id).values(
+            expires_at=func.now() + timedelta(hours=1)))
+        held_before = await held_kv_bytes(conn)
+    # Read paths leave it out at once, before any worker has run.
+    async with engine.connect() as conn:
+        listed = [r.id for r in await list_facts(conn, user, MODEL, 0, 100)]
+        live = (await live_facts(conn, user, MODEL, [r.id for r in rows]))[1]
+        ranked = [f.id for f in await top_k_facts(conn, user, MODEL,
+                                                  [float(x) for x in gone.embedding], 10)]
+    assert gone.id not in listed and gone.id not in live and gone.id not in ranked
+    assert later.id in listed and later.id in live and later.id in ranked
+    # The maintenance stage retires it and removes its blobs: its KV leaves the budget.
+    maintained = await MaintenanceWorker(settings.model_copy(update={"expire_interval_s": 60}),
+                                         engine, store).run(drain=True)
+    assert maintained.expired >= 1
+    after = {r.id: r for r in await _rows(engine, user)}
+    assert after[gone.id].deleted_at is not None and after[later.id].deleted_at is None
+    assert not _blobs(store, [gone]) and _blobs(store, [later])
+    async with engine.connect() as conn:
+        assert await held_kv_bytes(conn) <= held_before - gone.kv_bytes

@@ -310,7 +310,8 @@ def test_nearest_takes_every_tie_at_the_boundary():
     ids = np.asarray([50, 10, 40, 20, 30], np.int64)
     matrix = np.asarray([[1, 0], [0, 1], [1, 0], [1, 0], [0.6, 0.8]], np.float32)
     none = np.array([None] * 5, object)
-    owner = OwnerVectors(1, 5, 0, ids, matrix, (none, none), _subjects(none, none))
+    owner = OwnerVectors(1, 5, 0, ids, matrix, (none, none), _subjects(none, none),
+                         np.full(5, np.inf))
     got, distances = owner.nearest(np.asarray([1, 0], np.float32), 2)
     assert got.tolist() == [20, 40] and distances.tolist() == [0.0, 0.0]
     assert owner.nearest(np.asarray([1, 0], np.float32), 9)[0].tolist() == [20, 40, 50, 30, 10]
@@ -323,13 +324,29 @@ def test_nearest_ranks_only_the_scope_asked_for():
     matrix = np.asarray([[1, 0], [0.8, 0.6], [0.6, 0.8], [0, 1]], np.float32)
     agents = np.array(["a", "b", None, "a"], object)
     runs = np.array(["r1", "r1", "r1", None], object)
-    owner = OwnerVectors(1, 4, 0, ids, matrix, (agents, runs), _subjects(agents, runs))
+    owner = OwnerVectors(1, 4, 0, ids, matrix, (agents, runs), _subjects(agents, runs),
+                         np.full(4, np.inf))
     query = np.asarray([1, 0], np.float32)
     assert owner.nearest(query, 9)[0].tolist() == [10, 20, 30, 40]
     assert owner.nearest(query, 9, Scope(agent_id="a"))[0].tolist() == [10, 40]
     assert owner.nearest(query, 9, Scope(run_id="r1"))[0].tolist() == [10, 20, 30]
     assert owner.nearest(query, 9, Scope("a", "r1"))[0].tolist() == [10]
     assert owner.nearest(query, 9, Scope(agent_id="c"))[0].tolist() == []
+
+
+def test_nearest_never_returns_an_expired_fact():
+    """Pure ranking: a fact past its expiry is left out from that moment, in any scope."""
+    ids = np.asarray([10, 20, 30], np.int64)
+    matrix = np.asarray([[1, 0], [0.8, 0.6], [0, 1]], np.float32)
+    agents = np.array(["a", "a", None], object)
+    runs = np.array([None] * 3, object)
+    owner = OwnerVectors(1, 3, 0, ids, matrix, (agents, runs), _subjects(agents, runs),
+                         np.asarray([100.0, np.inf, 200.0]))
+    query = np.asarray([1, 0], np.float32)
+    assert owner.nearest(query, 9, now=99.0)[0].tolist() == [10, 20, 30]
+    assert owner.nearest(query, 9, now=100.0)[0].tolist() == [20, 30]  # expired at 100
+    assert owner.nearest(query, 9, Scope(agent_id="a"), now=150.0)[0].tolist() == [20]
+    assert owner.nearest(query, 9, now=250.0)[0].tolist() == [20]
 
 
 def test_decode_vectors_reads_pgvector_binary_and_refuses_other_sizes():

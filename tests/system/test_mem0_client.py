@@ -135,13 +135,25 @@ async def test_the_async_client_infer_true_goes_through_extraction(served, smol,
     assert (await memory.get_all(filters={"user_id": user}))["count"] == 0
 
 
+def test_an_expiration_date_ends_a_memory_after_that_day(served, mem0):
+    user = f"mem0-{uuid.uuid4().hex[:6]}"
+    lasting = mem0.add("I keep bees.", user_id=user, infer=False,
+                       expiration_date="2999-12-31")["results"][0]["id"]
+    mem0.add("I lived in Ghent.", user_id=user, infer=False, expiration_date="2020-01-01")
+    listed = mem0.get_all(filters={"user_id": user})["results"]
+    assert [(m["id"], m["expiration_date"]) for m in listed] == [(lasting, "2999-12-31")]
+    assert [m["id"] for m in mem0.search("Where did I live?", filters={"user_id": user})[
+        "results"]] == [lasting]
+    assert mem0.get(lasting)["expiration_date"] == "2999-12-31"
+
+
 def test_what_has_no_meaning_here_is_a_4xx_naming_it(served, mem0):
     user = f"mem0-{uuid.uuid4().hex[:6]}"
     for call, named in [
         (lambda: mem0.add("x", user_id=user, app_id="a", infer=False), "app_id"),
         (lambda: mem0.add("x", user_id=user, infer=False, custom_categories=[{"a": "b"}]),
          "custom_categories"),
-        (lambda: mem0.add("x", user_id=user, infer=False, expiration_date="2030-01-01"),
+        (lambda: mem0.add("x", user_id=user, expiration_date="2030-01-01"),  # infer=True
          "expiration_date"),
         (lambda: mem0.search("x", filters={"user_id": user}, rerank=True), "rerank"),
         (lambda: mem0.search("x", filters={"user_id": user, "categories": {"in": ["a"]}}),

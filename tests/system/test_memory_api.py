@@ -6,6 +6,7 @@ requests get a 4xx and change nothing."""
 
 import asyncio
 import uuid
+from datetime import UTC, datetime, timedelta
 from urllib.parse import quote
 
 import httpx
@@ -128,6 +129,15 @@ async def test_the_async_client_adds_and_reads_its_own_writes(served, smol, cfg,
         assert [h.id for h in await memory.search(user, "colour", filters={"topic": "colours"})
                 ] == [added.id]
         assert await memory.search(user, "colour", filters={"topic": "cars"}) == []
+        # A fact with an expiry is served until then, never after (no worker needs to run).
+        fleeting = await memory.add_fact(user, "Ines is in Lisbon this week.",
+                                         expires_at=datetime.now(UTC) + timedelta(seconds=15))
+        question = "Where is Ines this week?"
+        assert fleeting.id in _served_ids(served.chat(user, question, k=2))
+        await asyncio.sleep(max(0.0, (fleeting.expires_at - datetime.now(UTC)).total_seconds()))
+        assert fleeting.id not in _served_ids(served.chat(user, question, k=2))
+        assert fleeting.id not in [h.id for h in await memory.search(user, question, k=5)]
+        assert [f.id async for f in memory.iter_facts(user)] == [added.id]
         direct = await memory.event(user, added.event_id)
         assert direct.stage == "extracted" and [f.id for f in direct.facts] == [added["id"]]
         assert _served_ids(served.chat(user, "What is Ines's favourite colour?", k=1)) == [
@@ -159,7 +169,7 @@ async def test_the_async_client_adds_and_reads_its_own_writes(served, smol, cfg,
             await memory.event("someone-else", result.event_id)
         assert theirs.value.status == 404
         forgotten = await memory.forget(user)
-        assert forgotten["facts_deleted"] == 2
+        assert forgotten["facts_deleted"] == 3
         assert (await memory.list_facts(user))["facts"] == []
         with pytest.raises(MemoryAPIError) as gone:  # forgotten with its owner
             await memory.event(user, result.event_id)

@@ -70,7 +70,8 @@ FACT = {"id": 7, "user_id": "a/b", "text": "Ines keeps a horse.", "conversation_
         "deleted_at": None, "superseded_by": None,
         "kv": {"encoded": True, "tokens": 9, "bytes": 1024, "evicted": False,
                "tiers": ["durable"], "model_fingerprint": "ab12", "encoded_at": None},
-        "metadata": {"topic": "pets"}}  # a field this client does not know yet
+        "metadata": {"topic": "pets"},
+        "pinned_at": "2025-05-02T00:00:00+00:00"}  # a field this client does not know yet
 
 
 def _client(handler) -> MemoryClient:
@@ -92,8 +93,9 @@ def test_results_are_typed_keep_new_fields_and_read_as_dicts_did():
         fact = memory.get_fact("a/b", 7)
         hits = memory.search("a/b", "horse", k=1)
     assert isinstance(fact, Fact) and fact.kv.encoded
-    assert fact.ts.year == 2025 and fact.model_extra == {"metadata": {"topic": "pets"}}
-    assert fact["kv"]["tokens"] == 9 and fact["metadata"] == {"topic": "pets"}
+    assert fact.ts.year == 2025 and fact.metadata == {"topic": "pets"}
+    assert fact.model_extra == {"pinned_at": "2025-05-02T00:00:00+00:00"}
+    assert fact["kv"]["tokens"] == 9 and fact["pinned_at"] == FACT["pinned_at"]
     with pytest.raises(KeyError):
         fact["nope"]
     assert hits == [SearchHit(id=7, text="x", score=0.5, kv_encoded=True)]

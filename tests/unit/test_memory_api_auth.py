@@ -166,6 +166,30 @@ def test_hostile_imports_are_refused_before_any_work(client_and_service, body):
     assert service.reached == 0
 
 
+@pytest.mark.parametrize("method, path, body", [
+    ("PATCH", "facts/1", {"expires_at": "2026-01-01T00:00:00"}),  # no time zone
+    ("PATCH", "facts/1", {"expires_at": "soon"}),
+    ("PATCH", "facts/1", {}),  # nothing to change
+    ("PATCH", "facts/1", {"text": None}),
+    ("POST", "facts", {"text": "x", "expires_at": 1e300}),
+    ("POST", "facts", {"text": "x", "expires_at": "2026-13-01T00:00:00Z"}),
+])
+def test_hostile_expiries_are_refused_before_any_work(client_and_service, method, path, body):
+    client, service = client_and_service
+    response = client.request(method, f"/v1/memory/users/alice/{path}", json=body,
+                              headers={"authorization": "Bearer alice-key"})
+    assert 400 <= response.status_code < 500 and response.status_code not in (401, 403), (
+        body, response.text)
+    assert service.reached == 0
+
+
+def test_an_edit_may_only_clear_the_expiry(client_and_service):
+    client, service = client_and_service
+    response = client.patch("/v1/memory/users/alice/facts/1", json={"expires_at": None},
+                            headers={"authorization": "Bearer alice-key"})
+    assert response.status_code not in (400, 401, 403, 422) and service.reached == 1
+
+
 @pytest.mark.parametrize("path", [
     "events/not-an-event", f"events/{EVENT.upper()}", f"events/{EVENT}0", f"events/{EVENT[:-1]}",
     f"events/{EVENT}?wait=-1", f"events/{EVENT}?wait=61", f"events/{EVENT}?wait=nan",

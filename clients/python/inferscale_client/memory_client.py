@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from datetime import datetime
 from itertools import islice
 from pathlib import Path
+from types import EllipsisType
 from typing import Any, TypeVar
 
 import httpx
@@ -136,17 +138,21 @@ class MemoryClient:
 
     def add_fact(self, user: str, text: str, conversation_id: str = "operator",
                  agent_id: str | None = None, run_id: str | None = None,
-                 metadata: dict[str, Any] | None = None) -> Fact:
-        """A fact given directly (no source turn), by a key that may write the owner's scope;
-        its ``event_id`` says when it is encoded."""
+                 metadata: dict[str, Any] | None = None, expires_at: datetime | None = None
+                 ) -> Fact:
+        """A fact given directly (no source turn), by a key that may write the owner's scope,
+        never served from ``expires_at`` (aware) on; its ``event_id`` says when it is
+        encoded."""
         return self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id,
-                                          metadata))
+                                          metadata, expires_at))
 
     def edit_fact(self, user: str, fact_id: int, text: str | None = None,
-                  metadata: dict[str, Any] | None = None) -> Fact:
-        """The new version of the fact (new text and / or metadata; a new id, ``replaces``
-        the old one, now retired)."""
-        return self._send(routes.edit_fact(user, fact_id, text, metadata))
+                  metadata: dict[str, Any] | None = None,
+                  expires_at: datetime | None | EllipsisType = ...) -> Fact:
+        """The new version of the fact (new text, metadata and / or expiry: ``...`` keeps
+        the old one's, None never expires; a new id, ``replaces`` the old one, now
+        retired)."""
+        return self._send(routes.edit_fact(user, fact_id, text, metadata, expires_at))
 
     def delete_fact(self, user: str, fact_id: int) -> Deleted:
         return self._send(routes.delete_fact(user, fact_id))
@@ -241,13 +247,15 @@ class AsyncMemoryClient:
 
     async def add_fact(self, user: str, text: str, conversation_id: str = "operator",
                        agent_id: str | None = None, run_id: str | None = None,
-                       metadata: dict[str, Any] | None = None) -> Fact:
+                       metadata: dict[str, Any] | None = None,
+                       expires_at: datetime | None = None) -> Fact:
         return await self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id,
-                                                metadata))
+                                                metadata, expires_at))
 
     async def edit_fact(self, user: str, fact_id: int, text: str | None = None,
-                        metadata: dict[str, Any] | None = None) -> Fact:
-        return await self._send(routes.edit_fact(user, fact_id, text, metadata))
+                        metadata: dict[str, Any] | None = None,
+                        expires_at: datetime | None | EllipsisType = ...) -> Fact:
+        return await self._send(routes.edit_fact(user, fact_id, text, metadata, expires_at))
 
     async def delete_fact(self, user: str, fact_id: int) -> Deleted:
         return await self._send(routes.delete_fact(user, fact_id))

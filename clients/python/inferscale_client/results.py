@@ -52,6 +52,7 @@ class Fact(Result):
     created_at: datetime
     deleted_at: datetime | None = None  # set on a retired version
     superseded_by: int | None = None  # the version that replaced it
+    expires_at: datetime | None = None  # never served from then on (None: never expires)
     kv: FactKV
     replaces: int | None = None  # an edit's result: the version it retired
     event_id: str | None = None  # an add's result: its event (``MemoryClient.event``)
