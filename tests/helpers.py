@@ -44,7 +44,7 @@ async def read_topic(bootstrap: str, topic: str, expected: int, timeout_s: float
 async def extract_all(settings, engine, embedder, extractor=None, decide=None, **kwargs):
     """Drain the extract stage (``turn`` extractor unless given) over every stored turn."""
     from inferscale.pipeline.extraction import TurnExtractor
-    from workers.extract import ExtractWorker
+    from inferscale.workers.extract import ExtractWorker
 
     return await ExtractWorker(settings, engine, embedder, extractor or TurnExtractor(), decide,
                                **kwargs).run(drain=True)
@@ -53,7 +53,7 @@ async def extract_all(settings, engine, embedder, extractor=None, decide=None, *
 async def ingest(settings, engine, turns) -> None:
     """Publish turns and drain the ingest stage."""
     from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
-    from workers.ingest import IngestWorker
+    from inferscale.workers.ingest import IngestWorker
 
     security = kafka_security(settings)
     await ensure_topics(settings.kafka_bootstrap, [settings.turns_topic], security=security)
@@ -65,7 +65,7 @@ async def ingest(settings, engine, turns) -> None:
 async def ingest_and_encode(settings, engine, embedder, turns, encoder=None, store=None) -> None:
     """Publish turns, drain the ingest and extract stages, then (optionally) encode every
     pending fact."""
-    from workers.encode import EncodeWorker
+    from inferscale.workers.encode import EncodeWorker
 
     await ingest(settings, engine, turns)
     await extract_all(settings, engine, embedder)

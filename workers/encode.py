@@ -51,9 +51,9 @@ from inferscale.db.encode_queue import (
 )
 from inferscale.kv.encoder import FactEncoder, ensure_preamble, load_encoder
 from inferscale.kv.store import KVStore
-from workers import observe
-from workers.model_thread import ModelCallStuck, ModelThread
-from workers.stage import BatchStage
+from inferscale.workers import observe
+from inferscale.workers.model_thread import ModelCallStuck, ModelThread
+from inferscale.workers.stage import BatchStage
 
 log = logging.getLogger("inferscale.encode")
 

@@ -32,8 +32,8 @@ from inferscale.kv.store import KVStore
 from inferscale.pipeline.embedder import Embedder
 from inferscale.pipeline.extraction import Draft, Extractor, TurnExtractor, TurnInContext
 from inferscale.pipeline.updates import Decide, NewDraft, UpdatePlan, plan_updates
-from workers import observe
-from workers.stage import BatchStage
+from inferscale.workers import observe
+from inferscale.workers.stage import BatchStage
 
 log = logging.getLogger("inferscale.pipeline.extraction")
 

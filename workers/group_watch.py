@@ -22,7 +22,7 @@ from aiokafka.errors import KafkaError
 
 from inferscale.core.settings import Settings
 from inferscale.pipeline.kafka import kafka_security
-from workers import observe
+from inferscale.workers import observe
 
 log = logging.getLogger("inferscale.ingest")
 OFFSETS_TIMEOUT_S = 10.0  # a look at the group's offsets gives up after this (broker down)

@@ -26,8 +26,8 @@ from inferscale.core.retry import is_transient_db_error, retry_transient
 from inferscale.core.settings import Settings
 from inferscale.db.turns import StoredTurn, lock_users, tombstones, upsert_turns
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer
-from workers import observe
-from workers.group_watch import GroupWatch
+from inferscale.workers import observe
+from inferscale.workers.group_watch import GroupWatch
 
 log = logging.getLogger("inferscale.ingest")
 

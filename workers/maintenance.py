@@ -33,8 +33,8 @@ from inferscale.db.encode_queue import count_pending_facts, drop_other_models
 from inferscale.db.expiry import retire_expired
 from inferscale.db.kv_budget import evict_over_budget, held_kv_bytes
 from inferscale.kv.store import KVStore
-from workers import observe
-from workers.stage import BatchStage
+from inferscale.workers import observe
+from inferscale.workers.stage import BatchStage
 
 log = logging.getLogger("inferscale.maintenance")
 _EVICT_BATCH = 1000  # facts evicted per transaction

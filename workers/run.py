@@ -21,11 +21,11 @@ from inferscale.pipeline.generators import JsonGenerator, LocalJsonGenerator, Op
 from inferscale.pipeline.invalidation import publish_invalidation
 from inferscale.pipeline.kafka import kafka_security
 from inferscale.pipeline.updates import Decide, LLMDecider
-from workers.encode import EncodeWorker, open_encoder_and_store
-from workers.extract import ExtractWorker
-from workers.ingest import IngestWorker
-from workers.maintenance import MaintenanceWorker
-from workers.observe import HealthServer
+from inferscale.workers.encode import EncodeWorker, open_encoder_and_store
+from inferscale.workers.extract import ExtractWorker
+from inferscale.workers.ingest import IngestWorker
+from inferscale.workers.maintenance import MaintenanceWorker
+from inferscale.workers.observe import HealthServer
 
 log = logging.getLogger("inferscale.worker")
 

@@ -11,7 +11,7 @@ from inferscale.core.settings import Settings
 
 
 def _worker(args: argparse.Namespace, settings: Settings) -> int:
-    from workers.run import run_worker
+    from inferscale.workers.run import run_worker
 
     if args.group:
         settings = settings.model_copy(update={"consumer_group": args.group})

@@ -1,7 +1,8 @@
 """Run the alembic migrations programmatically (``inferscale db upgrade``).
 
-The migrations ship in the wheel as the top-level package ``migrations``, so a plain install
-migrates as an editable one does (the repository's ``alembic.ini`` serves plain ``alembic``)."""
+The migrations ship in the wheel as ``inferscale.migrations`` (the repository's
+``migrations/``), so a plain install migrates as an editable one does (the repository's
+``alembic.ini`` serves plain ``alembic``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from alembic.config import Config
 def alembic_config(database_url: str) -> Config:
     """Alembic config for this project's migrations against ``database_url``."""
     config = Config()
-    config.set_main_option("script_location", str(files("migrations")))
+    config.set_main_option("script_location", str(files("inferscale.migrations")))
     config.attributes["database_url"] = database_url
     config.attributes["configure_logger"] = False
     return config

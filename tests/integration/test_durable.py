@@ -36,7 +36,7 @@ from inferscale.kv.store import (
     KVStore,
 )
 from inferscale.serving.forget import forget_user
-from workers.maintenance import sweep_orphan_blobs
+from inferscale.workers.maintenance import sweep_orphan_blobs
 
 FP_A, FP_B = "a" * 64, "b" * 64
 HOSTILE_LOCATIONS = ["../x", "../../etc/passwd", "/etc/passwd", "a/../../x", "a//b", "a/./b",

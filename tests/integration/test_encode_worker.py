@@ -37,9 +37,9 @@ from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.serving.forget import forget_user
-from workers.encode import EncodeWorker
-from workers.ingest import IngestWorker
-from workers.maintenance import MaintenanceWorker
+from inferscale.workers.encode import EncodeWorker
+from inferscale.workers.ingest import IngestWorker
+from inferscale.workers.maintenance import MaintenanceWorker
 
 
 @pytest.fixture(autouse=True)

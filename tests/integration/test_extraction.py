@@ -344,7 +344,7 @@ async def test_llm_extraction_on_the_real_model_keeps_every_turn(settings, engin
     """INFERSCALE_EXTRACTOR=llm as the worker wires it (SmolLM2 shared with the encoder): every
     turn is extracted, every fact is dated and traced to its turn, whatever the model says."""
     from inferscale.kv.encoder import FactEncoder
-    from workers import run
+    from inferscale.workers import run
 
     await extract_all(settings, engine, embedder)  # other tests' leftovers, with the turn one
     user = f"llm-{uuid.uuid4().hex[:6]}"

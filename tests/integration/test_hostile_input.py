@@ -18,8 +18,8 @@ from inferscale.db.tables import turns
 from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import worker_process
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer
-from workers import ingest
-from workers.ingest import IngestWorker
+from inferscale.workers import ingest
+from inferscale.workers.ingest import IngestWorker
 
 NASTY_IDS = ["'; DROP TABLE turns; --", 'user"}, {"x": 1', "ünï\u200bcødé 🧠",
              "%s %(x)s {0} $1", "../../etc/passwd"]

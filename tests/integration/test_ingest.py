@@ -12,7 +12,7 @@ from inferscale.core.settings import Settings
 from inferscale.db.tables import facts
 from inferscale.db.turns import count_user_rows
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, make_producer, publish_turns
-from workers.ingest import IngestWorker
+from inferscale.workers.ingest import IngestWorker
 
 
 def worker(settings, engine, **kwargs) -> IngestWorker:

@@ -20,8 +20,8 @@ from inferscale.db.tables import fact_kv, facts, memory_activity
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.store import KVStore
 from inferscale.serving.forget import forget_user
-from workers.encode import EncodeWorker
-from workers.maintenance import MaintenanceWorker
+from inferscale.workers.encode import EncodeWorker
+from inferscale.workers.maintenance import MaintenanceWorker
 
 FACTS_EACH = 4
 MODEL = "e" * 64  # the tests' stores' model

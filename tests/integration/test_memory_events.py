@@ -18,7 +18,7 @@ from inferscale.db.memory_events import event_progress, record_event
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.store import KVStore
 from inferscale.serving.forget import forget_user
-from workers.encode import EncodeWorker
+from inferscale.workers.encode import EncodeWorker
 
 
 @pytest.fixture(autouse=True)

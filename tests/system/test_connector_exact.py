@@ -200,7 +200,7 @@ async def test_evicted_facts_are_served_as_text_and_come_back_as_kv(
     import asyncio
 
     from inferscale.db.kv_budget import evict_over_budget
-    from workers.encode import EncodeWorker
+    from inferscale.workers.encode import EncodeWorker
 
     encoder, store = _encoder_and_store(tiny_served, tiny_models)
     question = "What does Sam do for a living?"

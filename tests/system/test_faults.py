@@ -485,7 +485,7 @@ async def test_fault_drill_loses_and_duplicates_nothing(base_settings, settings,
 
 async def test_worker_started_before_the_broker_waits_for_it(settings, engine, embedder,
                                                                tmp_path):
-    from workers.ingest import IngestWorker
+    from inferscale.workers.ingest import IngestWorker
 
     broker = Settings(data_dir=tmp_path / "late-broker")
     port = infra._free_port()

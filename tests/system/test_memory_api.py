@@ -16,7 +16,7 @@ from conftest import AUTH
 from helpers import ingest_and_encode, turn
 from inferscale.client import AsyncMemoryClient, Deleted, MemoryAPIError, MemoryClient
 from inferscale.contracts.blob_name import fact_blob
-from workers.encode import EncodeWorker
+from inferscale.workers.encode import EncodeWorker
 
 pytestmark = pytest.mark.slow
 FACTS = ["My horse is called Biscuit and she is twelve years old.",

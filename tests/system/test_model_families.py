@@ -31,8 +31,8 @@ from inferscale.core.settings import Settings
 from inferscale.db.tables import fact_kv, facts
 from inferscale.kv.encoder import FactEncoder
 from inferscale.kv.store import KVStore
+from inferscale.workers.encode import EncodeWorker
 from models import KINDS
-from workers.encode import EncodeWorker
 
 pytestmark = pytest.mark.slow
 FAMILIES = [kind for kind in KINDS if kind != "llama"]

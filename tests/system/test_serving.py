@@ -21,7 +21,7 @@ from inferscale.kv import fused as kvwrite
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
-from workers.encode import EncodeWorker
+from inferscale.workers.encode import EncodeWorker
 
 pytestmark = pytest.mark.slow
 
@@ -330,7 +330,7 @@ async def test_forget_reaches_every_tier_and_backlog_stays_forgotten(served, smo
                                                                       embedder):
     """POST /v1/memory/forget: rows, blobs, the worker's host tier and the prefix cache; turns
     of the user still in the topic's backlog (published before the forget) stay forgotten."""
-    from workers.ingest import IngestWorker
+    from inferscale.workers.ingest import IngestWorker
 
     encoder, store = smol
     user = f"forget-{uuid.uuid4().hex[:6]}"
@@ -401,7 +401,7 @@ async def test_memory_that_changes_is_served_as_it_is_now(served, smol, cfg, eng
     from helpers import extract_all
     from inferscale.pipeline.invalidation import publish_invalidation
     from inferscale.pipeline.updates import Decision
-    from workers.ingest import IngestWorker
+    from inferscale.workers.ingest import IngestWorker
 
     encoder, store = smol
     user = f"moves-{uuid.uuid4().hex[:6]}"

@@ -17,9 +17,9 @@ from inferscale.core.settings import Settings
 from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import worker_process
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
-from workers import run
-from workers.ingest import IngestWorker
-from workers.observe import HealthServer
+from inferscale.workers import run
+from inferscale.workers.ingest import IngestWorker
+from inferscale.workers.observe import HealthServer
 
 
 async def test_back_pressure_pauses_then_resumes(settings, engine, embedder):

@@ -10,7 +10,7 @@ from importlib.metadata import requires
 from pathlib import Path
 
 import inferscale
-import workers
+from inferscale import workers
 
 PACKAGE = Path(inferscale.__file__).parent
 PRODUCT = [p for root in (PACKAGE, Path(workers.__file__).parent) for p in root.rglob("*.py")
@@ -74,6 +74,37 @@ def test_the_package_installs_without_lab_or_test_dependencies():
     names = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in core}
     assert names and not names & {"matplotlib", "nltk", "pyyaml", "pytest", "hypothesis",
                                   "playwright", "moto"}
+
+
+ROOT = PACKAGE.parent
+SHIPPED_FROM = {"workers": "inferscale.workers", "migrations": "inferscale.migrations"}
+
+
+def test_the_wheel_ships_every_product_package_and_not_the_lab():
+    """pyproject's package list is every package folder of the product, ``workers/`` and
+    ``migrations/`` under the inferscale namespace, and not the lab."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = set()
+    for top in ("inferscale", *SHIPPED_FROM):
+        for init in (ROOT / top).rglob("__init__.py"):
+            if PACKAGE / "lab" in init.parents or init.parent == PACKAGE / "lab":
+                continue
+            parts = init.parent.relative_to(ROOT).parts
+            folders.add(".".join((SHIPPED_FROM.get(parts[0], parts[0]), *parts[1:])))
+    assert set(config["packages"]) == folders
+    assert config["package-dir"] == {name: folder for folder, name in SHIPPED_FROM.items()}
+
+
+def test_workers_and_migrations_are_imported_by_their_shipped_names():
+    """``import workers`` works from the repository's root only: everything names them as the
+    wheel ships them (``inferscale.workers``, ``inferscale.migrations``)."""
+    files = [p for top in ("inferscale", "workers", "migrations", "tests")
+             for p in (ROOT / top).rglob("*.py")]
+    offenders = {str(p.relative_to(ROOT)): sorted(
+        n for n in _imported(p) if n.split(".")[0] in SHIPPED_FROM) for p in files}
+    assert {path: names for path, names in offenders.items() if names} == {}
 
 
 def test_the_lab_joins_the_cli_as_a_plugin():
