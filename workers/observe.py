@@ -32,6 +32,11 @@ KV_EVICTED_BYTES = Counter("inferscale_worker_kv_evicted_bytes",
                            "Bytes of KV blobs evicted to keep under the KV budget")
 FACTS_EXPIRED = Counter("inferscale_worker_facts_expired",
                         "Facts retired at their expires_at (their KV removed)")
+CHANGES_PUBLISHED = Counter("inferscale_worker_changes_published",
+                            "Change events published to the change topic")
+CHANGE_RELAY_ERRORS = Counter("inferscale_worker_change_relay_errors",
+                              "Change relay batches the broker refused (retried)")
+CHANGES_PENDING = Gauge("inferscale_worker_changes_pending", "Change events not published yet")
 KV_RESTORED_FACTS = Counter("inferscale_worker_kv_restored_facts",
                             "Facts whose evicted KV was encoded again because a request wanted it")
 KV_MIGRATED_FACTS = Counter("inferscale_worker_kv_migrated_facts",

@@ -1,4 +1,5 @@
-"""One worker process: the ingest, extract, encode and maintenance stages side by side."""
+"""One worker process: the ingest, extract, encode, maintenance and change relay stages side by
+side."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from inferscale.pipeline.generators import JsonGenerator, LocalJsonGenerator, Op
 from inferscale.pipeline.invalidation import publish_invalidation
 from inferscale.pipeline.kafka import kafka_security
 from inferscale.pipeline.updates import Decide, LLMDecider
+from inferscale.workers.change_relay import ChangeRelay
 from inferscale.workers.encode import EncodeWorker, open_encoder_and_store
 from inferscale.workers.extract import ExtractWorker
 from inferscale.workers.ingest import IngestWorker
@@ -156,19 +158,21 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
                             invalidate=invalidate, wake=to_extract, extracted=to_encode)
     encode = EncodeWorker(settings, engine, encoder, store, wake=to_encode)
     maintain = MaintenanceWorker(settings, engine, store)
+    relay = ChangeRelay(settings, engine, bootstrap, security)
     health = HealthServer()
     if settings.worker_http_port is not None:
         await health.start("0.0.0.0", settings.worker_http_port)
     extracting = asyncio.create_task(extract.run(), name="extract")
     encoding = asyncio.create_task(encode.run(), name="encode")
     maintaining = asyncio.create_task(maintain.run(), name="maintenance")
-    stages = [extracting, encoding, maintaining]
+    relaying = asyncio.create_task(relay.run(), name="changes")
+    stages = [extracting, encoding, maintaining, relaying]
     for stage in stages:
         stage.add_done_callback(_log_death)
     ready = asyncio.create_task(_track_ready(health, ingest, stages))
 
     def stop() -> None:
-        for worker in (ingest, extract, encode, maintain):
+        for worker in (ingest, extract, encode, maintain, relay):
             worker.request_stop()
 
     shutdown = _Shutdown(loop, settings.worker_shutdown_s, stop)
@@ -180,8 +184,10 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
             encode.request_drain()
             await encoding
             maintain.request_drain()
+            await maintaining
+            relay.request_drain()
         else:
-            for worker in (extract, encode, maintain):
+            for worker in (extract, encode, maintain, relay):
                 worker.request_stop()
         await asyncio.gather(*stages)
     finally:
@@ -192,4 +198,5 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
         await health.stop()
         await engine.dispose()
     return {"ingest": ingest.stats.__dict__, "extract": extract.stats.__dict__,
-            "encode": encode.stats.__dict__, "maintenance": maintain.stats.__dict__}
+            "encode": encode.stats.__dict__, "maintenance": maintain.stats.__dict__,
+            "changes": {"published": relay.published}}

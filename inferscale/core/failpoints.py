@@ -22,7 +22,8 @@ the blob written to its temp file, not synced; on S3: before the PUT), ``kv.befo
 durable tier: one blob, or one batch of a folder's files), ``encode.before_forward`` (a
 batch about to enter the model; its text: the facts' texts), ``encode.before_db_commit``
 (blobs in place, their rows not yet committed), ``kv.evict.before_delete`` (evicted facts'
-rows committed, their blobs not yet deleted).
+rows committed, their blobs not yet deleted), ``changes.before_drop`` (change events
+published, not yet dropped from the outbox).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from pathlib import Path
 
 POINTS = ("ingest.before_db_commit", "ingest.before_offset_commit", "extract.before_model",
           "extract.before_db_commit", "kv.mid_write", "kv.before_rename", "kv.read",
-          "encode.before_forward", "encode.before_db_commit", "kv.evict.before_delete")
+          "encode.before_forward", "encode.before_db_commit", "kv.evict.before_delete",
+          "changes.before_drop")
 
 MAX_DELAY_S = 60.0
 WATCH_S = 0.5

@@ -133,6 +133,8 @@ class Settings(BaseSettings):
         "bad records, the reason in a header"))
     invalidation_topic: str = Field(default="inferscale.invalidations", description=(
         "forgets every server applies"))
+    changes_topic: str = Field(default="inferscale.memory.changes", min_length=1, description=(
+        "change events out (contracts/change_events.py), keyed by user_id"))
     consumer_group: str = Field(default="inferscale-ingest", description=(
         "the workers' Kafka consumer group"))
     kafka_session_timeout_ms: int = Field(default=10_000, description=(

@@ -46,6 +46,9 @@ OUTSIDE_SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, ...",
      "boto3",
      "endpoint, credentials and region of an `s3://` durable tier (`INFERSCALE_KV_URL`)"),
+    ("`INFERSCALE_FAILPOINTS_FILE`", "`inferscale/core/failpoints.py`, watched",
+     "drills only: a file of failpoints a running process arms and disarms as it changes "
+     "([operations](operations.md#failpoints-drills-only))"),
     ("`INFERSCALE_FAILPOINTS`", "`inferscale/core/failpoints.py`, at import",
      "drills only: `name=kill@0.05,...` kills, hangs or fails a process at named points "
      "([operations](operations.md#failpoints-drills-only))"),

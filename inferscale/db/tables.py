@@ -123,6 +123,21 @@ memory_events = Table(
     Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
 )
 
+# Changes to which facts are live, written by triggers on facts in the changing transaction
+# (migration 0019: a transactional outbox), until the change relay publishes them.
+memory_changes = Table(
+    "memory_changes",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("user_id", String(256), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("fact_id", BigInteger),  # NULL: a forgotten owner
+    Column("superseded_by", BigInteger),
+    Column("agent_id", String(256)),
+    Column("run_id", String(256)),
+    Column("at", DateTime(timezone=True), nullable=False),
+)
+
 # A forgotten user's tombstone: turns published (Kafka record time) up to forgotten_at are
 # dropped on (re)delivery; later turns start a new memory.
 forgotten_users = Table(
