@@ -344,10 +344,10 @@ async def _drain(engine, prefix: str, published: set, timeout_s: float) -> float
 
 
 def _model_comparison(settings: Settings, config: SoakConfig, live: dict) -> dict:
-    """``bench cost``'s population model run with the live run's parameters (users, facts
-    each, bytes per fact, budget, grace, rounds, request rate, encode rate, the live TTFTs), side
-    by side with what the run measured. A model: users are held or evicted whole, all encoded
-    at its start, no per-user budget."""
+    """``bench cost``'s population model (fact by fact) run with the live run's parameters
+    (users, facts each, bytes per fact, both budgets, grace, rounds, request and new-fact rates,
+    encode rate, k, the live TTFTs), side by side with what the run measured. A model: every
+    fact encoded at its start, retrieval uniform over a user's facts, no recompute attempts."""
     ttft = {"host": live["ttft_injected_p50_s"], "disk": live["ttft_injected_p50_s"],
             "cold": live["ttft_text_fallback_p50_s"] or live["ttft_text_prefill_p50_s"]}
     if None in ttft.values():
@@ -356,10 +356,12 @@ def _model_comparison(settings: Settings, config: SoakConfig, live: dict) -> dic
                          interval_s=config.evict_interval_s,
                          headroom=settings.kv_budget_headroom,
                          encode_rate=max(live["encoded_per_s"], 1e-6),
-                         host_bytes=settings.host_cache_bytes)
-    model = cost.simulate(np.array(live["facts_per_user"]), live["bytes_per_fact"], policy,
-                          live["question_rate"], config.zipf_a, config.minutes / 60, ttft,
-                          config.seed)
+                         host_bytes=settings.host_cache_bytes,
+                         user_budget_bytes=config.user_budget_mb * 1e6 or None)
+    at_start = np.full(config.users, config.memory_turns)  # a fact a turn, then the stream
+    model = cost.simulate(at_start, live["bytes_per_fact"], policy, live["question_rate"],
+                          config.zipf_a, config.minutes / 60, ttft, config.seed, config.k,
+                          new_fact_rate=config.turn_rate)
     model.pop("timeline")
     return {"model": model, "ttft_s_used": ttft,
             "measured": {k: live[k] for k in ("hit_rate_all_injected", "hit_rate_any_injected",

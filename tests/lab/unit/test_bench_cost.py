@@ -1,5 +1,7 @@
-"""The population model of ``bench cost`` (pure logic): a budget that holds everything evicts
-nothing; a tight one holds the tier under it after every round; blob bytes follow the format."""
+"""The population model of ``bench cost`` (pure logic, fact by fact): a budget that holds
+everything evicts nothing; a tight one holds the tier under it after every round and answers
+partly as KV; a per-user budget holds each user to it; new facts get encoded; blob bytes
+follow the format."""
 
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from inferscale.core.settings import Settings
 from inferscale.lab.bench.cost import Policy, blob_bytes, fact_bytes, lead_share_of, simulate
 
 TTFT = {"host": 0.1, "disk": 0.15, "cold": 1.0}
+K = 5
 
 
 def _population(users=300, seed=0):
@@ -17,21 +20,41 @@ def _population(users=300, seed=0):
 def test_a_budget_that_holds_everything_serves_every_request_injected():
     facts = _population()
     result = simulate(facts, 1e6, Policy(budget_bytes=float(facts.sum()) * 1e6), rate=2.0,
-                      zipf_a=1.1, hours=0.5, ttft=TTFT)
-    assert result["requests"] > 3000 and result["hit_rate"] == 1.0
-    assert result["evicted_users"] == 0 and result["ttft_p99_s"] <= TTFT["disk"]
+                      zipf_a=1.1, hours=0.5, ttft=TTFT, k=K)
+    assert result["requests"] > 3000 and result["injected_share"] == 1.0
+    assert result["evicted_facts"] == 0 and result["ttft_p99_s"] <= TTFT["disk"]
 
 
 def test_a_tight_budget_holds_the_tier_under_it_after_every_round():
-    """(No grace period: one would keep users served within it over the budget.)"""
+    """(No grace period: one would keep facts served within it over the budget.)"""
     facts = _population()
     budget = float(facts.sum()) * 1e6 * 0.2
     result = simulate(facts, 1e6, Policy(budget_bytes=budget, grace_s=0.0, encode_rate=50.0),
-                      rate=2.0,
-                      zipf_a=1.1, hours=1.0, ttft=TTFT)
-    assert result["evicted_users"] > 0 and 0 < result["hit_rate"] < 1
+                      rate=2.0, zipf_a=1.1, hours=1.0, ttft=TTFT, k=K)
+    assert result["evicted_facts"] > 0 and 0 < result["injected_share"] < 1
+    assert result["injected_share"] <= result["some_kv_share"] <= 1
     assert all(p["durable_bytes"] <= budget for p in result["timeline"])
-    assert result["kinds"]["cold"] > 0 and result["ttft_p99_s"] == TTFT["cold"]
+    assert result["kinds"]["text"] + result["kinds"]["partial"] > 0
+    assert TTFT["host"] <= result["ttft_p50_s"] <= result["ttft_p99_s"] <= TTFT["cold"]
+
+
+def test_a_user_budget_keeps_each_user_to_it_and_answers_partly_as_kv():
+    facts = np.full(50, 30)
+    result = simulate(facts, 1e6, Policy(budget_bytes=1e12, grace_s=0.0, encode_rate=5.0,
+                                         user_budget_bytes=8e6), rate=1.0, zipf_a=1.1,
+                      hours=0.5, ttft=TTFT, k=K)
+    assert result["evicted_facts"] >= 50 * (30 - 8)  # each user down to 8 facts' KV
+    assert result["kinds"]["partial"] > result["kinds"]["host"] + result["kinds"]["disk"]
+    assert all(p["durable_bytes"] <= 50 * 8e6 + 5.0 * 30 * 1e6 for p in result["timeline"]
+               if p["hour"] > 0.05)  # within the budgets, plus what was encoded since a round
+
+
+def test_new_facts_are_encoded_and_counted():
+    facts = _population(users=20)
+    result = simulate(facts, 1e6, Policy(budget_bytes=1e15, encode_rate=10.0), rate=1.0,
+                      zipf_a=1.1, hours=0.25, ttft=TTFT, k=K, new_fact_rate=0.5)
+    assert result["new_facts"] > 300 and result["reencode_queue_at_end"] < 10
+    assert result["reencoded_facts_per_hour"] >= (result["new_facts"] - 10) / 0.25
 
 
 @pytest.mark.parametrize("kv_format", ["int8", "int4", "int2"])
