@@ -138,7 +138,8 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
     mode = options.mode
     started = time.perf_counter()
     facts = ([] if mode == "none" else
-             await retrieve(rt.index, rt.embedder, owner, query, options.k, options.scope))
+             await retrieve(rt.index, rt.embedder, owner, query, options.k, options.scope,
+                            options.where))
     retrieval_ms = (time.perf_counter() - started) * 1000
     M.retrieval_seconds.observe(retrieval_ms / 1000)
     if facts:

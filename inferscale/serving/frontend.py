@@ -56,6 +56,7 @@ from inferscale.serving.guards import (
 )
 from inferscale.serving.mem0_api import token_as_bearer
 from inferscale.serving.memory_api import serve_memory
+from inferscale.serving.memory_ops import named_scope
 from inferscale.serving.memory_service import EngineMemory
 from inferscale.serving.metrics import FRONTEND_METRICS as M
 from inferscale.serving.request_options import MemoryOptions, owner_and_options
@@ -227,7 +228,8 @@ class MemoryFrontend:
         owner, options = owner_and_options(data, headers, self.settings)
         if owner is None:
             return _Rewritten(json.dumps(data).encode())
-        self.access.authorize(headers, owner, scope=options.scope, client=client)
+        self.access.authorize(headers, owner, scope=named_scope(options.scope, options.where),
+                              client=client)
         messages, query = chat_messages(data)
         rt = await self.memory.runtime()
         if options.recompute != "auto":

@@ -8,16 +8,18 @@ retrieved; ``recompute``: the best m facts prefilled after the injected ones, or
 ``order``: ``relevance`` (best last) or ``time`` (stored order); ``lead``: the first injected
 fact uses its lead encoding where it has one; ``key_scales``: how strongly the connector
 applies its key scales, true / false or a strength in [0, 1]; ``agent_id`` / ``run_id``:
-retrieve only the owner's facts of that agent / run (``contracts/scope.py``; unset: any). The
-lab's CLI parses strengths with the same type (``STRENGTH``).
+retrieve only the owner's facts of that agent / run (``contracts/scope.py``; unset: any);
+``filters`` (the body's only): retrieve only facts passing the filter (``contracts/filters.py``,
+as the memory API's search). The lab's CLI parses strengths with the same type (``STRENGTH``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
+from inferscale.contracts.filters import EVERYTHING, FilterError, Node, parse_filter
 from inferscale.contracts.scope import Scope, ScopeValue, is_owner_id
 from inferscale.core.settings import Settings
 from inferscale.serving.guards import FrontendError
@@ -75,10 +77,16 @@ class MemoryOptions(BaseModel):
     key_scales: Strength = 1.0
     agent_id: ScopeValue | None = None
     run_id: ScopeValue | None = None
+    filters: dict[str, Any] | None = None
 
     @property
     def scope(self) -> Scope:
         return Scope(self.agent_id, self.run_id)
+
+    @property
+    def where(self) -> Node:
+        """The filter as a tree (``owner_and_options`` refused one that does not parse)."""
+        return EVERYTHING if self.filters is None else parse_filter(self.filters)
 
 
 def default_recompute(settings: Settings) -> int | Literal["auto"]:
@@ -102,6 +110,8 @@ def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
     given = data.pop("inferscale", None) or {}
     if not isinstance(given, dict):
         raise FrontendError(400, "'inferscale' must be an object like {\"mode\": \"inject\"}")
+    given = dict(given)
+    filters = given.pop("filters", None)
     defaults = {"mode": settings.memory_mode, "k": settings.top_k,
                 "recompute": default_recompute(settings),
                 "recompute_margin": settings.recompute_auto_margin,
@@ -115,9 +125,14 @@ def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
            for name, header in HEADERS.items()}
     unknown = sorted(map(str, set(given) - set(HEADERS)))
     if unknown:
-        raise FrontendError(400, f"unknown memory options {unknown}; known: {sorted(HEADERS)}")
+        raise FrontendError(400, f"unknown memory options {unknown}; known: "
+                                 f"{sorted([*HEADERS, 'filters'])}")
     try:
-        return owner, MemoryOptions.model_validate(raw)
+        options = MemoryOptions.model_validate({**raw, "filters": filters})
+        options.where  # noqa: B018 - parsed once here, so a bad filter is a 400
+        return owner, options
+    except FilterError as exc:
+        raise FrontendError(400, f"invalid memory option 'filters': {exc}") from None
     except ValidationError as exc:
         error = exc.errors()[0]
         name = ".".join(map(str, error["loc"])) or "options"

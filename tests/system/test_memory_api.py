@@ -129,6 +129,10 @@ async def test_the_async_client_adds_and_reads_its_own_writes(served, smol, cfg,
         assert [h.id for h in await memory.search(user, "colour", filters={"topic": "colours"})
                 ] == [added.id]
         assert await memory.search(user, "colour", filters={"topic": "cars"}) == []
+        for topic, served_ids in (("colours", [added.id]), ("cars", [])):  # filters on chat
+            assert _served_ids(served.chat(user, "What is Ines's favourite colour?",
+                                           inferscale={"k": 2, "filters": {"topic": topic}})
+                               ) == served_ids
         # A fact with an expiry is served until then, never after (no worker needs to run).
         fleeting = await memory.add_fact(user, "Ines is in Lisbon this week.",
                                          expires_at=datetime.now(UTC) + timedelta(seconds=15))

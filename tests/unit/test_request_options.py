@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostile import json_values, tried
+from inferscale.contracts.filters import EVERYTHING
 from inferscale.core.settings import Settings
 from inferscale.serving.guards import FrontendError
 from inferscale.serving.request_options import (
@@ -61,7 +62,10 @@ def test_no_owner_means_no_memory_and_key_scales_off_means_zero():
     ({"agent_id": ""}, "agent_id"), ({"agent_id": 7}, "agent_id"),
     ({"agent_id": "a\x00"}, "agent_id"), ({"run_id": "r" * 257}, "run_id"),
     ({"run_id": ["r"]}, "run_id"),
-    ({"colour": "red"}, "colour")])
+    ({"colour": "red"}, "colour"),
+    ({"filters": "topic = pets"}, "filters"), ({"filters": {"AND": "x"}}, "filters"),
+    ({"filters": {"created_at": {"gte": "yesterday"}}}, "filters"),
+    ({"filters": {"topic": {"regex": ".*"}}}, "filters")])
 def test_bad_options_are_a_400_naming_the_option(given, named):
     with pytest.raises(FrontendError) as refused:
         owner_and_options({"user": "ana", "inferscale": given}, {}, SERVER)
@@ -82,6 +86,15 @@ def test_recompute_takes_a_count_or_auto_and_its_default_follows_the_device(monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the tail is cheap on a GPU
     assert owner_and_options({"user": "ana"}, {}, device_default)[1].recompute == 3
     assert default_recompute(Settings(recompute_tail="auto")) == "auto"
+
+
+def test_a_filter_comes_from_the_body_only_and_is_parsed():
+    _, read = owner_and_options({"user": "ana", "inferscale": {
+        "filters": {"AND": [{"topic": "pets"}, {"created_at": {"gte": "2025-01-01"}}]}}},
+        {"x-inferscale-filters": "ignored"}, SERVER)
+    assert read.where != EVERYTHING and read.filters["AND"][0] == {"topic": "pets"}
+    _, plain = owner_and_options({"user": "ana"}, {}, SERVER)
+    assert plain.filters is None and plain.where == EVERYTHING
 
 
 def test_scope_comes_from_the_body_or_the_headers():
@@ -113,7 +126,7 @@ def test_a_bad_owner_is_a_400(owner):
 @given(options=json_values | st.dictionaries(
     st.sampled_from(["mode", "k", "recompute", "recompute_margin", "recompute_text_margin",
                      "order", "lead",
-                     "key_scales", "agent_id", "run_id"]), json_values),
+                     "key_scales", "agent_id", "run_id", "filters"]), json_values),
        headers=st.dictionaries(st.sampled_from(["x-inferscale-k", "x-inferscale-lead",
                                                 "x-inferscale-key-scales", "x-inferscale-user",
                                                 "x-inferscale-agent-id",
@@ -136,3 +149,4 @@ def test_hostile_options_are_read_or_refused_with_a_400(options, headers):
         assert 0.0 <= read.recompute_text_margin < float("inf")
         assert all(0 < len(value) <= 256 and "\x00" not in value
                    for _, value in read.scope.items())
+        read.where  # noqa: B018 - a filter that was read parses
