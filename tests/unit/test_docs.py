@@ -45,6 +45,18 @@ def test_configuration_page_is_generated_from_the_settings():
         "`python -m inferscale.core.settings_doc`")
 
 
+def test_the_api_reference_is_generated_from_the_openapi_document():
+    from inferscale.serving.api_doc import api_markdown, openapi
+
+    page = (DOCS / "api-reference.md").read_text(encoding="utf-8")
+    assert page == api_markdown(), (
+        "docs/api-reference.md is out of date with the memory routes: run "
+        "`python -m inferscale.serving.api_doc`")
+    for path, methods in openapi()["paths"].items():  # every route is on the page
+        for method in methods:
+            assert f"### `{method.upper()} {path}`" in page
+
+
 def test_every_setting_is_described_and_the_page_opens_with_a_section():
     """The page is generated from ``Field(description=...)``: no setting without one, and the
     sections name fields (the first field opens the first one)."""
