@@ -22,7 +22,8 @@ Generated from the server's OpenAPI document by `python -m inferscale.serving.ap
 edit by hand; `tests/unit/test_docs.py` checks it). A running server publishes the same document
 at `/openapi.json` (with vLLM's routes); what the routes mean, with examples:
 [the memory API](api.md) and [from Mem0](from-mem0.md). Every route needs a key
-([security](security.md)); every refusal is an `ErrorResponse`.
+([security](security.md)); every refusal is an `ErrorResponse`: a request that fails validation
+is a 400 on the server (vLLM's handler), never the 422 FastAPI declares for it.
 """
 
 
