@@ -62,7 +62,7 @@ class ChangeRelay(BatchStage):
                 await self._publish([(c.user_id.encode(), c.to_bytes()) for c in changes])
                 failpoints.hit("changes.before_drop")
                 await drop_changes(conn, [c.change_id for c in changes])
-        except KafkaError as exc:  # the rows stay: published again at the next poll
+        except (KafkaError, RuntimeError) as exc:  # the rows stay: published at the next poll
             log.warning("change relay: broker unavailable (%s); retrying", exc)
             observe.CHANGE_RELAY_ERRORS.inc()
             return 0
@@ -78,7 +78,11 @@ class ChangeRelay(BatchStage):
             await ensure_topics(self.bootstrap, [self.settings.changes_topic],
                                 security=self.security)
             producer = make_producer(self.bootstrap, self.security)
-            await producer.start()
+            try:
+                await producer.start()
+            except BaseException:
+                await producer.stop()  # nothing left open; started again at the next batch
+                raise
             self._producer = producer
         sent = [await self._producer.send(self.settings.changes_topic, value, key=key)
                 for key, value in records]

@@ -15,6 +15,7 @@ from helpers import read_topic
 from inferscale.contracts.change_events import MemoryChange
 from inferscale.contracts.memory_export import ExportedFact, ExportHeader
 from inferscale.core import failpoints
+from inferscale.db.change_outbox import pending_changes
 from inferscale.db.deletion import delete_user
 from inferscale.db.expiry import retire_expired
 from inferscale.db.memory_edits import add_fact, delete_fact, edit_fact
@@ -101,3 +102,17 @@ async def test_a_relay_dying_before_the_drop_publishes_the_same_changes_again(se
             seen[change.user_id] = change.change_id
             applied.append(change)
     assert len(applied) == 1
+
+
+async def test_a_relay_without_a_broker_keeps_the_changes_and_carries_on(settings, engine):
+    user = f"changes-{uuid.uuid4().hex[:6]}"
+    async with engine.begin() as conn:
+        await add_fact(conn, user, MODEL, "c1", "Ada keeps bees.", datetime.now(UTC),
+                       _vector(1))
+        before = await pending_changes(conn)
+    unreachable = ChangeRelay(settings, engine, "127.0.0.1:9")  # nothing listens there
+    assert await unreachable.handle_batch() == 0 and unreachable.published == 0
+    async with engine.connect() as conn:
+        assert await pending_changes(conn) == before >= 1
+    assert await ChangeRelay(settings, engine, settings.kafka_bootstrap).run(drain=True) >= 1
+    assert [c.kind for c in await _mine(settings, user, 1)] == ["added"]
