@@ -119,6 +119,7 @@ def simulate(facts_per_user: np.ndarray, bytes_per_fact: float, policy: Policy, 
         mine[user].append(fact)
     held = np.zeros(capacity, bool)
     held[:n_facts] = True  # all encoded at the start, as ingest leaves them
+    ever = held.copy()  # encoded once: another encode is a re-encode
     encoded_at = np.full(capacity, -math.inf)
     served_at = np.full(capacity, -math.inf)
     user_served = np.full(users, -math.inf)
@@ -129,20 +130,22 @@ def simulate(facts_per_user: np.ndarray, bytes_per_fact: float, policy: Policy, 
     kinds = {"host": 0, "disk": 0, "partial": 0, "text": 0}
     ttfts: list[float] = []
     last_hour = {"injected": 0, "requests": 0}
-    reencoded = evicted = 0
+    reencoded = encoded = evicted = 0
     timeline = []
     encoder_free = 0.0
     next_round = policy.interval_s
     grew = 0
 
     def finish_encodes(now: float) -> None:
-        nonlocal encoder_free, reencoded
+        nonlocal encoder_free, reencoded, encoded
         while queue and encoder_free + 1 / policy.encode_rate <= now:
             encoder_free = max(encoder_free, 0.0) + 1 / policy.encode_rate
             fact = queue.popleft()
             held[fact], wanted[fact] = True, False
             encoded_at[fact] = encoder_free
-            reencoded += 1
+            reencoded += int(ever[fact])
+            encoded += 1
+            ever[fact] = True
 
     def want(fact: int, now: float) -> None:
         if not wanted[fact]:
@@ -230,7 +233,8 @@ def simulate(facts_per_user: np.ndarray, bytes_per_fact: float, policy: Policy, 
         "host_hit_rate": kinds["host"] / max(requests, 1),
         "injected_share_last_hour": last_hour["injected"] / max(last_hour["requests"], 1),
         "distinct_users": int(len(np.unique(who))),
-        "reencoded_facts_per_hour": reencoded / hours, "evicted_facts": evicted,
+        "reencoded_facts_per_hour": reencoded / hours, "encoded_facts_per_hour": encoded / hours,
+        "evicted_facts": evicted,
         "new_facts": len(growth), "reencode_queue_at_end": len(queue),
         "ttft_p50_s": float(np.percentile(ttfts, 50)) if requests else None,
         "ttft_p99_s": float(np.percentile(ttfts, 99)) if requests else None,
