@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord
 
 from conftest import SAMPLE
 from inferscale.contracts.events import TurnEvent
 from inferscale.pipeline.sources import read_turns
+
+
+def build_wheel(source: Path, out: Path) -> Path:
+    """The wheel of the project at ``source`` (a copy: no build files left in the tree)."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "-q", "-w", str(out), str(source)],
+                   check=True, timeout=600)
+    (built,) = out.glob("*.whl")
+    return built
 
 
 def sample_turns(user_id: str | None = None) -> list[TurnEvent]:

@@ -160,13 +160,18 @@ def configuration_markdown(settings_class: type[Settings] = Settings) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Write the page (to ``docs/configuration.md``, or the path given)."""
+def write_page(page: str, default: Path, argv: list[str] | None = None) -> int:
+    """Write a generated page to ``default`` (or the path the command line gives)."""
     args = sys.argv[1:] if argv is None else argv
-    target = Path(args[0]) if args else DOC_PATH
-    target.write_text(configuration_markdown(), encoding="utf-8")
+    target = Path(args[0]) if args else default
+    target.write_text(page, encoding="utf-8")
     print(f"wrote {target}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the page (to ``docs/configuration.md``, or the path given)."""
+    return write_page(configuration_markdown(), DOC_PATH, argv)
 
 
 if __name__ == "__main__":

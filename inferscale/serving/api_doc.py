@@ -9,11 +9,12 @@ fails when the page is out of date: ``python -m inferscale.serving.api_doc``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+
+from inferscale.core.settings_doc import write_page
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "api-reference.md"
 HEADER = """# Memory API reference
@@ -123,11 +124,7 @@ def api_markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the page (to ``docs/api-reference.md``, or the path given)."""
-    args = sys.argv[1:] if argv is None else argv
-    target = Path(args[0]) if args else DOC_PATH
-    target.write_text(api_markdown(), encoding="utf-8")
-    print(f"wrote {target}")
-    return 0
+    return write_page(api_markdown(), DOC_PATH, argv)
 
 
 if __name__ == "__main__":

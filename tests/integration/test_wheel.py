@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 import zipfile
 from email.parser import Parser
 from pathlib import Path
 
 import pytest
+
+from helpers import build_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,11 +27,7 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("inferscale", "workers", "migrations"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns(
             "__pycache__", "*.so", "build", "*.egg-info"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "-q", "-w", str(root / "dist"), str(source)],
-                   check=True, timeout=600)
-    (built,) = (root / "dist").glob("inferscale-*.whl")
-    return built
+    return build_wheel(source, root / "dist")
 
 
 def test_the_wheel_holds_the_product_and_not_the_lab(wheel):

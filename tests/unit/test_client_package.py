@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers import build_wheel
 from inferscale_client import Fact, MemoryAPIError, MemoryClient, SearchHit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,11 +26,7 @@ def wheel(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("client-wheel")
     source = shutil.copytree(ROOT / "clients" / "python", root / "src",
                              ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "build"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "-q", "-w", str(root / "dist"), str(source)],
-                   check=True, timeout=300)
-    (built,) = (root / "dist").glob("inferscale_client-*.whl")
-    return built
+    return build_wheel(source, root / "dist")
 
 
 def test_the_wheel_requires_only_http_and_pydantic(wheel):
