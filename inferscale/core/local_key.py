@@ -33,17 +33,22 @@ __all__ = ["KEY_ENV", "KEY_FILE", "default_data_dir", "ensure_key", "is_loopback
 
 def ensure_key(data_dir: Path) -> tuple[str, bool]:
     """This data directory's admin key, made (0600, atomically: two servers starting at once
-    agree) where there is none; and whether it was made now."""
+    agree, and none reads a file before its key is in it) where there is none; and whether it
+    was made now."""
     path = key_path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     key = secrets.token_urlsafe(32)
+    draft = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(key + "\n")
+        os.link(draft, path)  # the whole file appears at once, or not at all if one exists
     except FileExistsError:
         existing = read_key(data_dir)
         if existing is None:
             raise ValueError(f"{path} holds no key: remove it to make a new one") from None
         return existing, False
-    with os.fdopen(fd, "w") as out:
-        out.write(key + "\n")
+    finally:
+        draft.unlink(missing_ok=True)
     return key, True
