@@ -92,9 +92,10 @@ class OwnerVectors:
             fields = dict(zip(SCOPE_FIELDS, self.scopes, strict=True))
             rows &= np.logical_and.reduce([fields[name] == value
                                            for name, value in scope.items()])
-        ids, matrix = self.ids[rows], self.matrix[rows]
+        ids, matrix, subjects = self.ids, self.matrix, self.subjects
+        if not rows.all():  # a copy of the rows left only where some are left out
+            ids, matrix, subjects = ids[rows], matrix[rows], subjects[rows]
         if where != EVERYTHING:
-            subjects = self.subjects[rows]
             passed = np.fromiter((matches(where, s) for s in subjects), bool, len(subjects))
             ids, matrix = ids[passed], matrix[passed]
         if n <= 0 or not len(ids):
