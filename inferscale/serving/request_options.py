@@ -15,6 +15,7 @@ as the memory API's search). The lab's CLI parses strengths with the same type (
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
@@ -83,9 +84,10 @@ class MemoryOptions(BaseModel):
     def scope(self) -> Scope:
         return Scope(self.agent_id, self.run_id)
 
-    @property
+    @cached_property
     def where(self) -> Node:
-        """The filter as a tree (``owner_and_options`` refused one that does not parse)."""
+        """The filter as a tree, parsed once (``owner_and_options`` refused one that does not
+        parse)."""
         return EVERYTHING if self.filters is None else parse_filter(self.filters)
 
 
