@@ -129,3 +129,23 @@ def test_the_page_runs_its_own_script_only_and_is_never_framed():
     assert "frame-ancestors 'none'" in policy and "connect-src 'self'" in policy
     assert headers["x-frame-options"] == "DENY"
     assert page_headers("other")["content-security-policy"] != policy
+
+
+# The routes this round of the memory API added: an add's event, export, import, a fact with an
+# expiry; and Mem0's add, which now also carries metadata and an expiry.
+NEW_ROUTES = [("GET", "/v1/memory/users/u/events/0123456789abcdef0123456789abcdef", False),
+              ("GET", "/v1/memory/users/u/export", False),
+              ("POST", "/v1/memory/users/u/import", True),
+              ("POST", "/v1/memory/users/u/facts", True),
+              ("POST", "/v3/memories/add/", True)]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), NEW_ROUTES)
+def test_the_new_memory_routes_keep_the_browser_rules(method, path, body):
+    own = {"host": "127.0.0.1:8000", **(JSON if body else {})}
+    assert _status(DEFAULT, method, path, own) == 200
+    assert _status(DEFAULT, method, path, {**own, "host": "attacker.example"}) == 403
+    assert _status(DEFAULT, method, path, {**own, "origin": "https://attacker.example"}) == 403
+    assert _status(DEFAULT, method, path, {**own, "sec-fetch-site": "cross-site"}) == 403
+    if body:  # a "simple" cross-site form post cannot reach a change of memory
+        assert _status(DEFAULT, method, path, {**own, "content-type": "text/plain"}) == 415

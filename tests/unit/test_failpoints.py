@@ -128,3 +128,4 @@ def test_a_failing_durable_read_fails_each_blob_alone_and_loses_nothing(tmp_path
     failpoints.arm("")
     assert [bytes(read[0]) for read in store.read_many(locations)] == [
         bytes([n]) * 64 for n in range(3)]
+
