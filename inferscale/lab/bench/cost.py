@@ -37,7 +37,7 @@ import torch
 from inferscale.contracts.blob import encode_blob
 from inferscale.contracts.kv_format import FORMATS
 from inferscale.core.settings import Settings
-from inferscale.lab.bench.common import print_table, write_report
+from inferscale.lab.bench.common import print_table, settings_differing, write_report
 
 LLAMA_8B = (32, 8, 128)  # layers, KV heads, head_dim
 HOUR = 3600.0
@@ -318,7 +318,9 @@ def run(settings: Settings, data: Path, model_path: Path, out_dir: Path, ttft_re
                   r["some_kv_share"], r["injected_share_last_hour"], r["host_hit_rate"],
                   r["reencoded_facts_per_hour"], r["reencode_queue_at_end"], r["ttft_p50_s"],
                   r["ttft_p99_s"]] for r in runs])
-    report = {"users": users, "rate_per_s": rate, "zipf_a": zipf_a, "hours": hours, "k": k,
+    report = {"settings_differing": settings_differing(settings),
+              "data": {"file": str(data), "conversations": conversations, "facts": len(tokens)},
+              "users": users, "rate_per_s": rate, "zipf_a": zipf_a, "hours": hours, "k": k,
               "kv_format": kv_format, "lead_format": lead, "lead_share": lead_share, "ttft_s": ttft,
               "ttft_report": str(ttft_report), "raw_population_bytes": raw_total,
               "facts_per_user_mean": float(facts_per_user.mean()), "bytes": bytes_rows,

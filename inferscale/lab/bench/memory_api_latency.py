@@ -24,7 +24,12 @@ from inferscale.core.settings import Settings
 from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import server_process, worker_process
-from inferscale.lab.bench.common import percentile, print_table, write_report
+from inferscale.lab.bench.common import (
+    percentile,
+    print_table,
+    settings_differing,
+    write_report,
+)
 from inferscale.lab.bench.retrieval_latency import store_encoded_facts
 from inferscale.lab.bench.ttft import ingest_user, prepare_user
 
@@ -204,7 +209,10 @@ def run(settings: Settings, data: Path, out_dir: Path, repeats: int = 20) -> dic
                                       ("ready (event encoded)", "ready_s"))}
     print_table(["add, from the request's start", "n", "p50 ms", "p99 ms", "max ms"],
                 [[label, *r.values()] for label, r in add_summary.items()])
-    report = {"facts_per_owner": FACTS_PER_OWNER, "reads": reads, "edits": edits,
+    report = {"settings_differing": settings_differing(settings),
+              "data": {"file": str(data), "small_owner_turns": len(turns),
+                       "questions": len(questions), "big_owner": "random vectors, fake KV rows"},
+              "facts_per_owner": FACTS_PER_OWNER, "reads": reads, "edits": edits,
               "edit_summary": {label: _summary([e[key] for e in edits])
                                for label, key in stages.items()},
               "every_edit_served_new_never_old": all(
