@@ -70,6 +70,7 @@ class ExportedFact(BaseModel):
     deleted_at: AwareDatetime | None = None
     superseded_by: int | None = Field(default=None, ge=1, lt=2**63)
     expires_at: AwareDatetime | None = None  # never served after
+    pinned: bool = False  # in every memory prompt of the owner (at most pinned_max served)
 
     @model_validator(mode="after")
     def _history(self) -> ExportedFact:

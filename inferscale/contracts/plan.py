@@ -64,11 +64,15 @@ class Segment:
 class Plan:
     """Contiguous segments from position 0: the preamble, then injected facts; ``key_scales``:
     the strength in [0, 1] the connector scales the facts' keys with (each of its per-layer key
-    scales raised to it, ``key_scales.py``; 0: unscaled)."""
+    scales raised to it, ``key_scales.py``; 0: unscaled); ``exact``: positions ``[0, exact)``
+    (the preamble and pinned facts) are to come from the engine's prefix cache, exact, to its
+    last whole block: where the cache holds less, nothing is injected and the engine prefills
+    the prompt (which caches them, exact, for the next request)."""
 
     fingerprint: str
     segments: list[Segment]
     key_scales: float = 0.0
+    exact: int = 0
 
     @property
     def end(self) -> int:
@@ -80,6 +84,8 @@ class Plan:
             if segment.start != position or segment.length < 1:
                 raise PlanError("segments must be contiguous, non-empty, from position 0")
             position = segment.end
+        if not 0 <= self.exact <= position:
+            raise PlanError("exact must lie within the segments")
 
 
 def _mac(body: dict[str, Any], secret: str) -> str:
@@ -89,7 +95,7 @@ def _mac(body: dict[str, Any], secret: str) -> str:
 
 def sign(plan: Plan, secret: str) -> dict[str, Any]:
     """The plan as a JSON-able dict with its signature."""
-    body = {"fingerprint": plan.fingerprint, "key_scales": plan.key_scales,
+    body = {"fingerprint": plan.fingerprint, "key_scales": plan.key_scales, "exact": plan.exact,
             "segments": [{"name": str(s.name), "start": s.start, "length": s.length,
                           "digest": s.digest, "checksum": s.checksum} for s in plan.segments]}
     return {**body, "sig": _mac(body, secret)}
@@ -124,11 +130,11 @@ def verify(data: object, secret: str) -> Plan:
     if not hmac.compare_digest(data["sig"].encode("utf-8", "surrogatepass"), mac.encode()):
         raise PlanError("bad plan signature")
     fingerprint, segments = body.get("fingerprint"), body.get("segments")
-    key_scales = body.get("key_scales", 0.0)
+    key_scales, exact = body.get("key_scales", 0.0), body.get("exact", 0)
     if not isinstance(fingerprint, str) or not isinstance(segments, list) or not (
-            type(key_scales) in (int, float) and 0 <= key_scales <= 1):
-        raise PlanError("malformed plan: fingerprint/segments/key_scales")
+            type(key_scales) in (int, float) and 0 <= key_scales <= 1) or type(exact) is not int:
+        raise PlanError("malformed plan: fingerprint/segments/key_scales/exact")
     plan = Plan(fingerprint=fingerprint, segments=[_segment(s) for s in segments],
-                key_scales=float(key_scales))
+                key_scales=float(key_scales), exact=exact)
     plan.check_layout()
     return plan

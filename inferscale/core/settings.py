@@ -302,6 +302,9 @@ class Settings(BaseSettings):
 
     top_k: int = Field(default=5, description=(
         "facts retrieved per request (a request's \"k\" overrides it)"))
+    pinned_max: int = Field(default=16, ge=0, le=256, description=(
+        "An owner's pinned facts at most: each is in every memory prompt of its owner, first, "
+        "in id order, besides the k retrieved (pinning one more is refused: 409)"))
     memory_mode: str = Field(default="inject", description=(
         "inject (KV), text (prefill the facts) or none"))
     recompute_tail: int | Literal["auto"] | None = Field(default=None, description=(

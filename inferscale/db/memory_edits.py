@@ -59,6 +59,7 @@ class FactRecord:
     run_id: str | None
     metadata: dict[str, Any]
     expires_at: datetime | None
+    pinned: bool
 
     def as_json(self, memory_tiers: list[str] | None = None) -> dict[str, Any]:
         """The record as the API returns it (timestamps in ISO 8601), with the tiers that
@@ -72,6 +73,7 @@ class FactRecord:
                 "deleted_at": self.deleted_at.isoformat() if self.deleted_at else None,
                 "superseded_by": self.superseded_by,
                 "expires_at": self.expires_at.isoformat() if self.expires_at else None,
+                "pinned": self.pinned,
                 "kv": {"encoded": self.kv_encoded, "tokens": self.token_count,
                        "bytes": self.kv_bytes, "evicted": self.kv_evicted, "tiers": tiers,
                        "model_fingerprint": self.model_fingerprint,
@@ -87,7 +89,7 @@ def _records(fingerprint: str) -> Select:
                   k.kv_location.is_not(None).label("kv_encoded"), k.kv_location, k.kv_bytes,
                   k.kv_evicted_at.is_not(None).label("kv_evicted"), k.model_fingerprint,
                   k.encoded_at, facts.c.agent_id, facts.c.run_id, facts.c.metadata,
-                  facts.c.expires_at).select_from(
+                  facts.c.expires_at, facts.c.pinned).select_from(
         facts.outerjoin(fact_kv, and_(k.fact_id == facts.c.id,
                                       k.model_fingerprint == fingerprint)))
 
@@ -217,12 +219,14 @@ async def fact_owner(conn: AsyncConnection, fact_id: int) -> tuple[str, int] | N
 async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_id: int,
                     new_text: str | None, embedding: list[float] | None,
                     new_metadata: dict[str, Any] | None = None,
-                    new_expiry: datetime | None | EllipsisType = ...
+                    new_expiry: datetime | None | EllipsisType = ...,
+                    new_pinned: bool | None = None, pinned_max: int = 0
                     ) -> tuple[FactRecord, list[str]] | None:
     """Replace one live fact of the owner by a new fact with ``new_text`` (and its
-    ``embedding``), ``new_metadata`` and / or ``new_expiry`` (None, ``...`` for the expiry:
-    the old fact's; same owner, scope, conversation, source turns and time; no KV yet) and
-    retire the old one, superseded by it:
+    ``embedding``), ``new_metadata``, ``new_expiry`` and / or ``new_pinned`` (None, ``...``
+    for the expiry: the old fact's; same owner, scope, conversation, source turns and time; no
+    KV yet) and retire the old one, superseded by it (``PinnedLimit`` where pinning it would
+    give the owner more than ``pinned_max`` pinned facts):
     (the new fact, with its KV for model ``fingerprint``; the old fact's KV locations for every
     model, to remove everywhere); None where the owner has no such live fact."""
     await lock_users(conn, [user_id], exclusive=False)
@@ -231,6 +235,8 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_
         .with_for_update())).first()
     if old is None:
         return None
+    if new_pinned and not old.pinned:
+        await _room_to_pin(conn, user_id, pinned_max)
     ordinal = (await conn.execute(select(func.coalesce(func.max(facts.c.ordinal), -1) + 1).where(
         facts.c.user_id == user_id, facts.c.conversation_id == old.conversation_id,
         facts.c.extractor == EDIT_EXTRACTOR, facts.c.turn_ids == old.turn_ids))).scalar_one()
@@ -241,7 +247,8 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_
         embedding=old.embedding if embedding is None else embedding,
         agent_id=old.agent_id, run_id=old.run_id,
         metadata=old.metadata if new_metadata is None else new_metadata,
-        expires_at=old.expires_at if new_expiry is ... else new_expiry)
+        expires_at=old.expires_at if new_expiry is ... else new_expiry,
+        pinned=old.pinned if new_pinned is None else new_pinned)
         .returning(facts.c.id))).scalar_one()
     await conn.execute(facts.update().where(facts.c.id == fact_id).values(
         deleted_at=func.clock_timestamp(), superseded_by=new_id))
@@ -252,12 +259,14 @@ async def edit_fact(conn: AsyncConnection, user_id: str, fingerprint: str, fact_
 
 async def add_fact(conn: AsyncConnection, user_id: str, fingerprint: str, conversation_id: str,
                    fact_text: str, ts: datetime, embedding: list[float], scope: Scope = ANY,
-                   metadata: dict[str, Any] | None = None, expires_at: datetime | None = None
-                   ) -> FactRecord:
+                   metadata: dict[str, Any] | None = None, expires_at: datetime | None = None,
+                   pinned: bool = False, pinned_max: int = 0) -> FactRecord:
     """Store a fact given directly (in ``scope``, with ``metadata``, expiring at
-    ``expires_at``; no source turn, no KV yet), shown with its KV status for model
-    ``fingerprint``."""
+    ``expires_at``, ``pinned`` or not; no source turn, no KV yet), shown with its KV status for
+    model ``fingerprint`` (``PinnedLimit`` where the owner has ``pinned_max`` pinned facts)."""
     await lock_users(conn, [user_id], exclusive=False)
+    if pinned:
+        await _room_to_pin(conn, user_id, pinned_max)
     ordinal = (await conn.execute(select(func.coalesce(func.max(facts.c.ordinal), -1) + 1).where(
         facts.c.user_id == user_id, facts.c.conversation_id == conversation_id,
         facts.c.extractor == OPERATOR_EXTRACTOR, facts.c.turn_ids == []))).scalar_one()
@@ -265,7 +274,24 @@ async def add_fact(conn: AsyncConnection, user_id: str, fingerprint: str, conver
         user_id=user_id, conversation_id=conversation_id, turn_ids=[], ordinal=ordinal,
         extractor=OPERATOR_EXTRACTOR, text=fact_text, ts=ts, embedding=embedding,
         agent_id=scope.agent_id, run_id=scope.run_id, metadata=metadata or {},
-        expires_at=expires_at).returning(facts.c.id))).scalar_one()
+        expires_at=expires_at, pinned=pinned).returning(facts.c.id))).scalar_one()
     record = await get_fact(conn, user_id, fingerprint, new_id)
     assert record is not None  # inserted in this transaction
     return record
+
+
+class PinnedLimit(Exception):
+    """Pinning one more fact would give the owner more pinned facts than allowed."""
+
+
+async def _room_to_pin(conn: AsyncConnection, user_id: str, pinned_max: int) -> None:
+    """Raise ``PinnedLimit`` where the owner already has ``pinned_max`` live pinned facts (a
+    per-owner pinning lock, held to the end of the transaction, makes the count and the
+    insert one step)."""
+    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
+                       {"key": f"inferscale pinned {user_id}"})
+    held = (await conn.execute(select(func.count()).select_from(facts).where(
+        facts.c.user_id == user_id, facts.c.pinned, current()))).scalar_one()
+    if held >= pinned_max:
+        raise PinnedLimit(f"{user_id!r} has {held} pinned facts, the most allowed "
+                          f"(pinned_max {pinned_max})")

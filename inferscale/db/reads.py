@@ -40,6 +40,7 @@ class RetrievedFact:
     kv_location: str | None
     kv_checksum: str | None
     kv_lead_checksum: str | None  # None: no lead blob (encoded without one)
+    pinned: bool = False  # in every memory prompt of its owner
 
 async def memory_version(conn: AsyncConnection, user_id: str) -> tuple[int, int]:
     """(the owner's memory version, about how many live facts they have); any change to which
@@ -51,23 +52,33 @@ async def memory_version(conn: AsyncConnection, user_id: str) -> tuple[int, int]
 
 async def top_k_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
                       query_embedding: Sequence[float], k: int, scope: Scope = ANY,
-                      where: Node = EVERYTHING) -> list[RetrievedFact]:
+                      where: Node = EVERYTHING, pinned: int = 0) -> list[RetrievedFact]:
     """The owner's k live facts in ``scope`` passing the filter ``where`` nearest to the query,
     ranked by pgvector (exact: the owner's rows through ix_facts_user), with their KV for model
-    ``fingerprint``: for owners too large for a server's in-process index."""
+    ``fingerprint``: for owners too large for a server's in-process index. ``pinned`` > 0: the
+    owner's pinned facts among them (at most that many, in id order) come first, unranked, and
+    the k are ranked among the others."""
     distance = facts.c.embedding.cosine_distance(list(query_embedding)).label("distance")
+    chosen = [facts.c.user_id == user_id, current(), *in_scope(scope), filter_sql(where)]
     # Rank first, then join the k hits' KV rows (a join before the limit would read the
     # model's KV rows of every fact of the owner).
-    hits = (select(facts.c.id, facts.c.text, distance)
-            .where(facts.c.user_id == user_id, current(), *in_scope(scope),
-                   filter_sql(where))
-            .order_by(distance, facts.c.id).limit(k).subquery())
+    ranked = (select(facts.c.id, facts.c.text, distance, facts.c.pinned)
+              .where(*chosen, *([~facts.c.pinned] if pinned else []))
+              .order_by(distance, facts.c.id).limit(k))
+    first = (select(facts.c.id, facts.c.text, distance, facts.c.pinned)
+             .where(*chosen, facts.c.pinned).order_by(facts.c.id).limit(pinned))
+    hits = (first.union_all(ranked) if pinned else ranked).subquery()
     kv = hits.outerjoin(fact_kv, and_(fact_kv.c.fact_id == hits.c.id,
                                       fact_kv.c.model_fingerprint == fingerprint))
     stmt = (select(hits.c.id, hits.c.text, hits.c.distance, fact_kv.c.token_ids,
-                   fact_kv.c.kv_location, fact_kv.c.kv_checksum, fact_kv.c.kv_lead_checksum)
+                   fact_kv.c.kv_location, fact_kv.c.kv_checksum, fact_kv.c.kv_lead_checksum,
+                   hits.c.pinned)
             .select_from(kv).order_by(hits.c.distance, hits.c.id))
-    return [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
+    found = [RetrievedFact(**row._mapping) for row in await conn.execute(stmt)]
+    if not pinned:
+        return found
+    return sorted((f for f in found if f.pinned), key=lambda f: f.id) + [
+        f for f in found if not f.pinned]
 
 @dataclass(frozen=True)
 class MemoryDelta:
@@ -94,8 +105,8 @@ async def memory_delta(conn: AsyncConnection, user_id: str, after_id: int) -> Me
 
 @dataclass(frozen=True)
 class StoredEmbedding:
-    """A fact's embedding (pgvector's binary format) and what filters read of it (scope,
-    metadata, time): none of them ever changes."""
+    """A fact's embedding (pgvector's binary format), what filters read of it (scope,
+    metadata, time) and whether it is pinned: none of them ever changes."""
 
     id: int
     embedding: bytes
@@ -104,17 +115,19 @@ class StoredEmbedding:
     metadata: dict
     created_at: datetime
     expires_at: datetime | None
+    pinned: bool = False
 
 async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
                           ) -> list[StoredEmbedding]:
-    """These facts' embeddings, scopes, metadata and times, in id order."""
+    """These facts' embeddings, scopes, metadata, times and pinning, in id order."""
     rows = await conn.execute(select(
         facts.c.id, func.vector_send(facts.c.embedding).label("embedding"), facts.c.agent_id,
-        facts.c.run_id, facts.c.metadata, facts.c.created_at, facts.c.expires_at)
+        facts.c.run_id, facts.c.metadata, facts.c.created_at, facts.c.expires_at,
+        facts.c.pinned)
         .where(facts.c.id == func.any(cast(list(fact_ids), ARRAY(BigInteger))))
         .order_by(facts.c.id))
     return [StoredEmbedding(r.id, bytes(r.embedding), r.agent_id, r.run_id, r.metadata,
-                            r.created_at, r.expires_at) for r in rows]
+                            r.created_at, r.expires_at, r.pinned) for r in rows]
 
 def current() -> ColumnElement[bool]:
     """Facts that may be served now: live (not retired) and not expired (an expired fact is
@@ -129,7 +142,7 @@ def in_scope(scope: Scope) -> list[ColumnElement[bool]]:
 
 _LIVE_FACTS = text("""
     SELECT coalesce(m.version, 0) AS version, f.id, f.text, k.token_ids, k.kv_location,
-           k.kv_checksum, k.kv_lead_checksum
+           k.kv_checksum, k.kv_lead_checksum, f.pinned
     FROM (SELECT 1) one
     LEFT JOIN memory_versions m ON m.user_id = :user
     LEFT JOIN facts f ON f.id = ANY(CAST(:ids AS bigint[])) AND f.user_id = :user

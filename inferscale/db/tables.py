@@ -64,6 +64,8 @@ facts = Table(
     Column("deleted_at", DateTime(timezone=True)),
     Column("superseded_by", BigInteger),
     Column("expires_at", DateTime(timezone=True)),  # never served after (migration 0018)
+    # In every memory prompt of its owner, first (migration 0020); never changed in place.
+    Column("pinned", Boolean, nullable=False, server_default="false"),
     # The export record it was imported from, and the one that replaced it while that is not
     # imported yet (migration 0016; NULL: not imported / resolved).
     Column("import_key", String(64)),

@@ -1,7 +1,10 @@
-"""Composing a memory prompt: retrieve the owner's top-k facts and lay out the token ids
-``[preamble][injected facts][text facts][chat]`` with the signed injection plan for the facts
-whose KV can be injected (best fact last, or in stored order; the last ``recompute`` facts and
-any fact without usable KV as text). In relevance order a fact holding a lead blob goes first."""
+"""Composing a memory prompt: retrieve the owner's pinned facts and top-k facts and lay out the
+token ids ``[preamble][pinned facts][injected facts][text facts][chat]`` with the signed
+injection plan for the facts whose KV can be injected (best fact last, or in stored order; the
+last ``recompute`` facts and any fact without usable KV as text). Pinned facts come first, in
+id order, in every prompt of the owner, so the engine's prefix cache keeps them exact across
+requests (``Plan.exact``); where one has no usable KV, every fact goes as text. In relevance
+order a fact holding a lead blob goes first."""
 
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ class MemoryPrompt:
 
     token_ids: list[int]
     fact_ids: list[FactId]  # prompt order: injected facts, then text facts
+    pinned: list[FactId]  # the first of them, in every prompt of the owner
+    retrieved: int  # how many facts retrieval ranked for the question
     plan: Plan | None
     facts_injected: int
     facts_text: int
@@ -137,26 +142,34 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
 
     mode = options.mode
     started = time.perf_counter()
-    facts = ([] if mode == "none" else
+    found = ([] if mode == "none" else
              await retrieve(rt.index, rt.embedder, owner, query, options.k, options.scope,
-                            options.where))
+                            options.where, rt.settings.pinned_max))
+    pins = [f for f in found if f.pinned]  # first, in id order
+    facts = found[len(pins):]
     retrieval_ms = (time.perf_counter() - started) * 1000
     M.retrieval_seconds.observe(retrieval_ms / 1000)
-    if facts:
-        rt.note_served(owner, [f.id for f in facts], [f.id for f in facts if not f.kv_location])
+    if found:
+        rt.note_served(owner, [f.id for f in found], [f.id for f in found if not f.kv_location])
     if not isinstance(options.recompute, int):
         raise ValueError("the front end decides an auto recompute before composing")
     if options.order == "time":
         facts.sort(key=lambda f: f.id)
+    elif pins:
+        facts = facts[::-1]  # the first pinned fact leads
     else:
         # Never one of the facts a tail recompute (explicit or auto's) prefills: every attempt
         # and mode of a request reads the same order.
         facts = lead_first(facts[::-1],
                            max(options.recompute, rt.settings.recompute_auto_tail))
     head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
-    injectable = [f for f in head if f.kv_location and f.token_ids]
-    as_text = [f for f in facts if f not in injectable]
-    M.fallbacks.labels("not_encoded").inc(len(head) - len(injectable))
+    pins_injectable = all(f.kv_location and f.token_ids for f in pins)
+    injectable = ([f for f in pins + head if f.kv_location and f.token_ids]
+                  if pins_injectable else [])
+    as_text = [f for f in pins + facts if f not in injectable]
+    if mode == "inject":
+        M.fallbacks.labels("not_encoded").inc(sum(
+            not (f.kv_location and f.token_ids) for f in pins + head))
     composing = time.perf_counter()
     injected_segments = [list(f.token_ids) for f in injectable if f.token_ids]  # every one
     text_segments, prompt = await asyncio.get_running_loop().run_in_executor(
@@ -170,13 +183,15 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
             Segment.of(fact_blob(f.id), start, ids, f.kv_checksum)
             for i, (f, ids, (start, _)) in enumerate(zip(
                 injectable, injected_segments, prompt.fact_spans, strict=False))]
-        plan = Plan(rt.fingerprint, plan_segments, options.key_scales)
+        exact = prompt.fact_spans[len(pins) - 1][1] if pins and injectable else 0
+        plan = Plan(rt.fingerprint, plan_segments, options.key_scales, exact)
         M.facts.labels("lead").inc(sum(s.name.lead for s in plan_segments))
     injected = min(plan.end, len(prompt.token_ids) - 1) if plan else 0
     KV_METRICS.stage_seconds.labels("compose").observe(time.perf_counter() - composing)
     fact_ids = [f.id for f in injectable + as_text]
-    return MemoryPrompt(prompt.token_ids, fact_ids, plan, len(injectable), len(as_text), injected,
-                        sum(map(len, text_segments)), retrieval_ms)
+    return MemoryPrompt(prompt.token_ids, fact_ids, [f.id for f in pins], len(facts), plan,
+                        len(injectable), len(as_text), injected, sum(map(len, text_segments)),
+                        retrieval_ms)
 
 
 def lead_first(facts: list[RetrievedFact], tail: int) -> list[RetrievedFact]:

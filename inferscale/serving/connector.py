@@ -123,7 +123,7 @@ class InferScaleConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = ConnectorScheduler(
                 settings.plan_secret, fingerprint,
                 KVStore.from_settings(settings, fingerprint, host_bytes=0),
-                asynchronous(kv_cache_config))
+                asynchronous(kv_cache_config), vllm_config.cache_config.block_size)
 
     @property
     def scheduler(self) -> ConnectorScheduler:

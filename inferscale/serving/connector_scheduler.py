@@ -3,8 +3,11 @@
 It authenticates a request's signed plan (``contracts/plan.py``), checks every segment's prompt
 tokens against the plan's digests and that its blob exists, and claims the memory span
 (preamble + injected facts) minus the local prefix-cache hit, never the last prompt token (vLLM
-must compute one). Claims reach the worker half as per-step metadata: ids and positions only,
-never KV. Nothing here raises on a hostile plan: it claims nothing instead.
+must compute one). A plan whose first positions must be exact (``Plan.exact``: pinned facts)
+claims nothing unless the local hit covers them to their last whole block: the engine then
+prefills the whole prompt, exact, and its prefix cache holds them for the next request.
+Claims reach the worker half as per-step metadata: ids and positions only, never KV. Nothing
+here raises on a hostile plan: it claims nothing instead.
 
 Two ways to load, by the engine's KV cache groups (``connector.asynchronous``). With one group
 of full attention, loads are synchronous: the worker writes before the forward pass of the step
@@ -70,13 +73,15 @@ class ConnectorScheduler:
     """Claims the memory span of requests whose plan checks out; one per EngineCore."""
 
     def __init__(self, secret: str, fingerprint: str, store: KVStore,
-                 asynchronous: bool = False) -> None:
+                 asynchronous: bool = False, block_size: int = 16) -> None:
         """``store``: the durable tier is asked whether blobs exist (no memory tiers here);
-        ``asynchronous``: load asynchronously (``connector.asynchronous``)."""
+        ``asynchronous``: load asynchronously (``connector.asynchronous``); ``block_size``:
+        the engine's KV block (prefix-cache hits are whole blocks)."""
         self.secret = secret
         self.fingerprint = fingerprint
         self.store = store
         self.asynchronous = asynchronous
+        self.block_size = block_size
         self._pending: dict[str, LoadSpec] = {}  # claimed, blocks not yet scheduled
         self._allocated: dict[str, LoadSpec] = {}  # asynchronous claims given their blocks
         self._claimed: dict[str, int] = {}  # request -> injected tokens, until it finishes
@@ -107,7 +112,7 @@ class ConnectorScheduler:
         if request.request_id in self._refused:
             return 0, False
         plan = self._plan_for(request)
-        if plan is None:
+        if plan is None or num_computed_tokens < plan.exact - plan.exact % self.block_size:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         limit = len(prompt) - 1  # the last prompt token is always computed

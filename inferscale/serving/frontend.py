@@ -1,23 +1,21 @@
 """Memory front end inside vLLM's API server
 (``--middleware inferscale.serving.frontend.MemoryFrontend``).
 
-A chat completion naming a memory owner (``user`` field or ``X-InferScale-User`` header) is
-rewritten before vLLM sees it: checked (``guards.py``), its memory options read
-(``request_options.py``), the prompt composed from the owner's top-k facts (``compose.py``) and
-sent as token ids, with a signed injection plan for the encoded facts (``kv_transfer_params``)
-and a ``cache_salt`` keyed by the server's secret and the facts served. Requests without an
-owner pass through untouched (client ``kv_transfer_params`` refused on every route). Every
-request, of any route, first passes the browser rules (``browser_guard.py``); memory requests
-and engine-control routes are admitted by ``access.py``. At start-up it adds the memory API's
-routes (``memory_api.py``, and Mem0's: ``mem0_api.py``) to vLLM's app, served by
-``memory_service.py``; its ASGI plumbing is ``asgi.py``.
+A chat completion naming a memory owner (``user``
+field or ``X-InferScale-User`` header) is rewritten before vLLM sees it: checked (``guards.py``),
+its memory options read (``request_options.py``), the prompt composed from the owner's top-k facts
+(``compose.py``) and sent as token ids, with a signed injection plan for the encoded facts
+(``kv_transfer_params``) and a ``cache_salt`` (``cache_salt.py``: what of vLLM's prefix cache it
+may reuse). Requests without an owner pass through untouched (client ``kv_transfer_params`` refused
+on every route). Every request, of any route, first passes the browser rules
+(``browser_guard.py``); memory requests and engine-control routes are admitted by ``access.py``. At
+start-up it adds the memory API's routes (``memory_api.py``, and Mem0's: ``mem0_api.py``) to vLLM's
+app, served by ``memory_service.py``; its ASGI plumbing is ``asgi.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -47,6 +45,7 @@ from inferscale.serving.auto_recompute import (
     one_token,
 )
 from inferscale.serving.browser_guard import check_request
+from inferscale.serving.cache_salt import CacheSalts
 from inferscale.serving.compose import MemoryRuntime, chat_messages, compose
 from inferscale.serving.guards import (
     FrontendError,
@@ -85,8 +84,7 @@ class MemoryFrontend:
         self.settings = settings or get_settings()
         self.memory = EngineMemory(self.settings)
         self.access = self.memory.access
-        self._salt_key = hashlib.sha256(
-            b"inferscale cache salt\0" + (self.settings.plan_secret or "").encode()).digest()
+        self.salts = CacheSalts(self.settings.plan_secret or "")
         # vLLM adds --middleware outside its own --api-key check; run that check first here.
         tokens = [t for t in (self.settings.vllm_api_keys or [os.environ.get("VLLM_API_KEY", "")])
                   if t]
@@ -266,19 +264,10 @@ class MemoryFrontend:
         prompt = await compose(rt, owner, options, messages, query)
         started = time.perf_counter()
         params: dict = {"prompt_token_ids": prompt.token_ids}
-        checksums = scaled = None
         if prompt.plan is not None:
             params[PLAN_KEY] = sign(prompt.plan, self.settings.plan_secret or "")
-            checksums = [s.checksum for s in prompt.plan.segments]
-            scaled = prompt.plan.key_scales
-        # Every memory prompt is salted per owner and the facts it holds (and their blobs, and
-        # whether its keys are scaled), keyed by the server's secret: no other client can
-        # compute it to probe the owner's prefix-cache blocks, and a forgotten or edited fact's
-        # blocks are never reached again (fact ids are never reused).
-        digest = hmac.new(self._salt_key, json.dumps(
-            [owner, rt.fingerprint, prompt.fact_ids, checksums, scaled, data.get("cache_salt")]
-        ).encode(), hashlib.sha256).hexdigest()
-        data["cache_salt"] = f"inferscale-{digest[:32]}"
+        data["cache_salt"] = self.salts.salt(owner, rt.fingerprint, options, prompt.retrieved,
+                                             prompt.pinned, data.get("cache_salt"))
         data["kv_transfer_params"] = params
         M.requests.labels(options.mode).inc()
         M.facts.labels("injected").inc(prompt.facts_injected)
@@ -293,6 +282,7 @@ class MemoryFrontend:
             "x-inferscale-facts": str(prompt.facts_injected + prompt.facts_text),
             "x-inferscale-facts-injected": str(prompt.facts_injected),
             "x-inferscale-fact-ids": ",".join(map(str, prompt.fact_ids)),
+            "x-inferscale-facts-pinned": str(len(prompt.pinned)),
             "x-inferscale-prompt-tokens": str(len(prompt.token_ids)),
             "x-inferscale-injected-tokens": str(prompt.injected_tokens),
             "x-inferscale-prefilled-tokens": str(len(prompt.token_ids) - prompt.injected_tokens),

@@ -107,28 +107,30 @@ class Filtered(Scoped):
 
 class NewFactBody(Scoped):
     """A fact added directly (no source turn), in a scope, with metadata, expiring at
-    ``expires_at`` (None: never)."""
+    ``expires_at`` (None: never), ``pinned``: in every memory prompt of the owner, first."""
 
     text: FactText
     conversation_id: str = Field(default="operator", min_length=1, max_length=256)
     metadata: Metadata | None = None
     expires_at: AwareDatetime | None = None
+    pinned: bool = False
 
 
 class EditBody(BaseModel):
-    """A fact's new text, metadata and / or expiry (at least one; ``expires_at`` null: never
-    expires)."""
+    """A fact's new text, metadata, expiry and / or pinning (at least one; ``expires_at`` null:
+    never expires)."""
 
     model_config = ConfigDict(extra="forbid")
     text: FactText | None = None
     metadata: Metadata | None = None
     expires_at: AwareDatetime | None = None
+    pinned: bool | None = None
 
     @model_validator(mode="after")
     def _something(self) -> "EditBody":
-        if self.text is None and self.metadata is None and "expires_at" not in (
-                self.model_fields_set):
-            raise ValueError("an edit sets text, metadata, expires_at or some of them")
+        if (self.text is None and self.metadata is None and self.pinned is None
+                and "expires_at" not in self.model_fields_set):
+            raise ValueError("an edit sets text, metadata, expires_at, pinned or some of them")
         return self
 
     @property
@@ -247,7 +249,8 @@ async def add_fact(user_id: str, body: NewFactBody, service: Service, caller: Ad
     Served as text at once, injected once a worker encodes it (its event says when)."""
     caller.admit(user_id, body.scope, write=True)
     record = await ops.add_fact(service, user_id, body.text, body.scope, body.conversation_id,
-                                body.metadata, expires_at=body.expires_at)
+                                body.metadata, expires_at=body.expires_at,
+                                pinned=body.pinned)
     return {**record.as_json(), "event_id": await ops.record_event(service, user_id,
                                                                     fact_ids=[record.id])}
 
@@ -256,11 +259,12 @@ async def add_fact(user_id: str, body: NewFactBody, service: Service, caller: Ad
               response_model=EditedFact)
 async def edit(user_id: str, fact_id: FactId, body: EditBody, service: Service,
                caller: Admission) -> dict[str, Any]:
-    """A new version of the fact (new text and / or metadata) replaces it (served as text until
-    it is encoded); the old version is never served again by any server once this returns."""
+    """A new version of the fact (new text, metadata, expiry and / or pinning) replaces it
+    (served as text until it is encoded); the old version is never served again by any server
+    once this returns."""
     grant = caller.admit(user_id, None, write=True)
     record = await ops.edit_fact(service, grant, user_id, fact_id, body.text, body.metadata,
-                                 body.expiry)
+                                 body.expiry, body.pinned)
     return {**record.as_json(), "replaces": fact_id}
 
 

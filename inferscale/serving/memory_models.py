@@ -39,6 +39,7 @@ class Fact(BaseModel):
     deleted_at: str | None
     superseded_by: int | None
     expires_at: str | None  # never served from then on (None: never expires)
+    pinned: bool  # in every memory prompt of its owner, first
     kv: KVStatus
 
 
@@ -145,5 +146,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": what} for status, what in (
         (400, "malformed request"), (401, "no or an unknown API key"),
         (403, "the key may not do this, or a foreign Host / Origin"),
-        (404, "no such fact the key may see"), (413, "body too large"),
+        (404, "no such fact the key may see"),
+        (409, "the owner is at a limit (pinned_max pinned facts)"), (413, "body too large"),
         (415, "not application/json"), (429, "over the key's rate limit"))}

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import EllipsisType
@@ -180,31 +181,45 @@ async def embed(service: MemoryService, text: str) -> list[float]:
 
 async def add_fact(service: MemoryService, user_id: str, text: str, scope: Scope,
                    conversation_id: str, metadata: dict[str, Any] | None = None,
-                   ts: datetime | None = None, expires_at: datetime | None = None
-                   ) -> FactRecord:
+                   ts: datetime | None = None, expires_at: datetime | None = None,
+                   pinned: bool = False) -> FactRecord:
     """A fact given directly (no source turn; said at ``ts``, None: now; never served from
-    ``expires_at`` on): served as text at once, injected once a worker encodes it."""
+    ``expires_at`` on; ``pinned``: in every memory prompt of the owner): served as text at
+    once, injected once a worker encodes it."""
     embedding = await embed(service, text)
-    return await in_transaction(service, lambda conn, model: memory_edits.add_fact(
-        conn, user_id, model, conversation_id, text, ts or datetime.now(UTC), embedding, scope,
-        metadata, expires_at))
+    with _pinning():
+        return await in_transaction(service, lambda conn, model: memory_edits.add_fact(
+            conn, user_id, model, conversation_id, text, ts or datetime.now(UTC), embedding,
+            scope, metadata, expires_at, pinned, service.settings.pinned_max))
 
 
 async def edit_fact(service: MemoryService, grant: KeyGrant, user_id: str, fact_id: int,
                     text: str | None, metadata: dict[str, Any] | None = None,
-                    expiry: datetime | None | EllipsisType = ...) -> FactRecord:
-    """A new version of the fact (new text, metadata and / or expiry; None, ``...`` for the
-    expiry: the old one's) replaces it; the old one is never served again once this returns
-    (its blobs dropped everywhere)."""
+                    expiry: datetime | None | EllipsisType = ..., pinned: bool | None = None
+                    ) -> FactRecord:
+    """A new version of the fact (new text, metadata, expiry and / or pinning; None, ``...``
+    for the expiry: the old one's) replaces it; the old one is never served again once this
+    returns (its blobs dropped everywhere)."""
     await live_fact(service, grant, user_id, fact_id)
     embedding = None if text is None else await embed(service, text)
-    edited = await in_transaction(service, lambda conn, model: memory_edits.edit_fact(
-        conn, user_id, model, fact_id, text, embedding, metadata, expiry))
+    with _pinning():
+        edited = await in_transaction(service, lambda conn, model: memory_edits.edit_fact(
+            conn, user_id, model, fact_id, text, embedding, metadata, expiry, pinned,
+            service.settings.pinned_max))
     if edited is None:
         raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
     record, locations = edited
     await service.drop_blobs(user_id, locations)
     return record
+
+
+@contextmanager
+def _pinning() -> Iterator[None]:
+    """An owner at its ``pinned_max`` pinned facts: 409, naming the limit."""
+    try:
+        yield
+    except memory_edits.PinnedLimit as exc:
+        raise HTTPException(409, str(exc)) from None
 
 
 async def delete_where(service: MemoryService, user_id: str, where: Node, limit: int

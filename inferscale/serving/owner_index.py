@@ -62,8 +62,8 @@ class OwnerVectors:
     """One owner's live facts at one memory version: ids ascending, their unit vectors in the
     first rows of ``buffer`` (rows past them are room for facts stored later), their scopes
     (one object array per field of ``SCOPE_FIELDS``, None where unset), what filters read of
-    each (``subjects``) and when each expires (POSIX seconds, inf: never; an expired fact is
-    never a result, whatever the version)."""
+    each (``subjects``), when each expires (POSIX seconds, inf: never; an expired fact is
+    never a result, whatever the version) and which are pinned."""
 
     version: int  # -1: read while it changed; reloaded on the next request
     inserted: int  # the owner's counters when read (``MemoryDelta``)
@@ -73,6 +73,7 @@ class OwnerVectors:
     scopes: tuple[np.ndarray, ...]  # object, (n,) each
     subjects: np.ndarray  # object, (n,): a filters.Subject per fact
     expires: np.ndarray  # float64, (n,)
+    pinned: np.ndarray  # bool, (n,)
 
     @property
     def matrix(self) -> np.ndarray:
@@ -81,23 +82,15 @@ class OwnerVectors:
     @property
     def nbytes(self) -> int:
         return (self.ids.nbytes + self.buffer.nbytes + self.expires.nbytes
-                + sum(s.nbytes for s in self.scopes))
+                + self.pinned.nbytes + sum(s.nbytes for s in self.scopes))
 
     def nearest(self, query: np.ndarray, n: int, scope: Scope = ANY, where: Node = EVERYTHING,
-                now: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+                now: float | None = None, pinned: bool | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """(ids, cosine distances) of the n nearest rows in ``scope`` passing ``where`` and
-        not expired at ``now`` (None: the clock's), nearest first, ties by id."""
-        rows = self.expires > (time.time() if now is None else now)
-        if scope != ANY:
-            fields = dict(zip(SCOPE_FIELDS, self.scopes, strict=True))
-            rows &= np.logical_and.reduce([fields[name] == value
-                                           for name, value in scope.items()])
-        ids, matrix, subjects = self.ids, self.matrix, self.subjects
-        if not rows.all():  # a copy of the rows left only where some are left out
-            ids, matrix, subjects = ids[rows], matrix[rows], subjects[rows]
-        if where != EVERYTHING:
-            passed = np.fromiter((matches(where, s) for s in subjects), bool, len(subjects))
-            ids, matrix = ids[passed], matrix[passed]
+        not expired at ``now`` (None: the clock's), nearest first, ties by id; ``pinned``:
+        only pinned rows (True), only the others (False), any (None)."""
+        ids, matrix = self.chosen(scope, where, now, pinned)
         if n <= 0 or not len(ids):
             return ids[:0], np.zeros(0, np.float32)
         scores = matrix @ query
@@ -108,6 +101,25 @@ class OwnerVectors:
             candidates = np.arange(len(scores))
         order = candidates[np.lexsort((ids[candidates], -scores[candidates]))][:n]
         return ids[order], 1.0 - scores[order]
+
+    def chosen(self, scope: Scope = ANY, where: Node = EVERYTHING, now: float | None = None,
+               pinned: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, unit vectors) of the rows in ``scope`` passing ``where``, not expired at
+        ``now`` and, unless ``pinned`` is None, pinned or not as it says; in id order."""
+        rows = self.expires > (time.time() if now is None else now)
+        if pinned is not None:
+            rows &= self.pinned == pinned
+        if scope != ANY:
+            fields = dict(zip(SCOPE_FIELDS, self.scopes, strict=True))
+            rows &= np.logical_and.reduce([fields[name] == value
+                                           for name, value in scope.items()])
+        ids, matrix, subjects = self.ids, self.matrix, self.subjects
+        if not rows.all():  # a copy of the rows left only where some are left out
+            ids, matrix, subjects = ids[rows], matrix[rows], subjects[rows]
+        if where != EVERYTHING:
+            passed = np.fromiter((matches(where, s) for s in subjects), bool, len(subjects))
+            ids, matrix = ids[passed], matrix[passed]
+        return ids, matrix
 
 
 def _unit(rows: np.ndarray) -> np.ndarray:
@@ -150,14 +162,15 @@ class OwnerIndex:
         return user_id in self._owners
 
     async def search(self, user_id: str, query: np.ndarray, k: int, scope: Scope = ANY,
-                     where: Node = EVERYTHING) -> list[RetrievedFact]:
+                     where: Node = EVERYTHING, pinned: int = 0) -> list[RetrievedFact]:
         """The owner's k live facts in ``scope`` passing ``where`` nearest to ``query``,
-        nearest first (exact).
+        nearest first (exact); ``pinned`` > 0: the owner's pinned facts among them (at most
+        that many, in id order) first, unranked, then k ranked among the others.
         Ranks the held
         vectors, then reads the hits' rows with the memory version in one statement; where the
         version moved, catches up and ranks again (under a stream of changes, after
         ``CATCH_UPS`` tries it serves the live rows of its last ranking)."""
-        if k <= 0:
+        if k <= 0 and pinned <= 0:
             return []
         query = _unit(np.asarray(query, np.float32))
         owner = self._owners.get(user_id)  # recently used
@@ -167,8 +180,13 @@ class OwnerIndex:
             if owner is None:  # larger than the budget: Postgres ranks them
                 async with self._connect() as conn:
                     return await top_k_facts(conn, user_id, self.fingerprint, query.tolist(), k,
-                                             scope, where)
-            ids, distances = owner.nearest(query, k + SLACK, scope, where)
+                                             scope, where, pinned)
+            first = owner.chosen(scope, where, pinned=True) if pinned > 0 else None
+            ids, distances = owner.nearest(query, k + SLACK if k > 0 else 0, scope, where,
+                                           pinned=None if first is None else False)
+            if first is not None:  # first in id order, at most ``pinned`` of them
+                ids = np.concatenate([first[0][:pinned], ids])
+                distances = np.concatenate([1.0 - first[1][:pinned] @ query, distances])
             async with self._connect() as conn:
                 version, rows = await live_facts(conn, user_id, self.fingerprint, ids.tolist())
             if version == owner.version and len(rows) == len(ids):
@@ -176,8 +194,10 @@ class OwnerIndex:
             if version == owner.version:  # rows gone, version kept: trust nothing held
                 self._owners.pop(user_id, None)
             owner = await self.current(user_id)
-        return [RetrievedFact(distance=float(d), **rows[i])
-                for i, d in zip(ids.tolist(), distances.tolist(), strict=True) if i in rows][:k]
+        found = [RetrievedFact(distance=float(d), **rows[i])
+                 for i, d in zip(ids.tolist(), distances.tolist(), strict=True) if i in rows]
+        ahead = sum(f.pinned for f in found) if first is not None else 0
+        return found[:ahead + k]
 
     async def current(self, user_id: str) -> OwnerVectors | None:
         """The owner's vectors at the memory version Postgres has now (None: more facts than
@@ -241,6 +261,11 @@ def _expiries(fetched: list[StoredEmbedding]) -> np.ndarray:
                     np.float64)
 
 
+def _pins(fetched: list[StoredEmbedding]) -> np.ndarray:
+    """Which fetched facts are pinned."""
+    return np.array([f.pinned for f in fetched], bool)
+
+
 def _subjects(user_id: str, fetched: list[StoredEmbedding]) -> np.ndarray:
     """What filters read of the fetched facts, one ``Subject`` each."""
     subjects = np.empty(len(fetched), object)
@@ -269,7 +294,8 @@ def _append(cached: OwnerVectors, delta: MemoryDelta, subjects: np.ndarray,
     return OwnerVectors(delta.version, delta.inserted, delta.retired,
                         np.concatenate([cached.ids, ids]), buffer, scopes,
                         np.concatenate([cached.subjects, subjects]),
-                        np.concatenate([cached.expires, _expiries(fetched)]))
+                        np.concatenate([cached.expires, _expiries(fetched)]),
+                        np.concatenate([cached.pinned, _pins(fetched)]))
 
 
 def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta, subjects: np.ndarray,
@@ -278,7 +304,8 @@ def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta, subjects: np.ndarr
     fetched_ids = np.asarray([f.id for f in fetched], np.int64)
     fetched_rows = _unit(decode_vectors([f.embedding for f in fetched]))
     parts_ids, parts_rows, parts_scopes = [fetched_ids], [fetched_rows], [_scopes(fetched)]
-    parts_subjects, parts_expires = [subjects], [_expiries(fetched)]
+    parts_subjects, parts_expires, parts_pinned = [subjects], [_expiries(fetched)], [
+        _pins(fetched)]
     if cached is not None and len(cached.ids):
         kept = np.isin(cached.ids, np.asarray(delta.ids, np.int64), assume_unique=True)
         parts_ids.insert(0, cached.ids[kept])
@@ -286,6 +313,7 @@ def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta, subjects: np.ndarr
         parts_scopes.insert(0, tuple(s[kept] for s in cached.scopes))
         parts_subjects.insert(0, cached.subjects[kept])
         parts_expires.insert(0, cached.expires[kept])
+        parts_pinned.insert(0, cached.pinned[kept])
     parts_rows = [rows for rows, ids in zip(parts_rows, parts_ids, strict=True) if len(ids)]
     ids = np.concatenate(parts_ids)
     order = np.argsort(ids, kind="stable")
@@ -296,7 +324,7 @@ def _rebuild(cached: OwnerVectors | None, delta: MemoryDelta, subjects: np.ndarr
     scopes = tuple(np.concatenate(field)[order] for field in zip(*parts_scopes, strict=True))
     return OwnerVectors(delta.version, delta.inserted, delta.retired, ids[order], buffer,
                         scopes, np.concatenate(parts_subjects)[order],
-                        np.concatenate(parts_expires)[order])
+                        np.concatenate(parts_expires)[order], np.concatenate(parts_pinned)[order])
 
 
 def _capacity(n: int) -> int:

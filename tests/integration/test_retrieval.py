@@ -311,7 +311,7 @@ def test_nearest_takes_every_tie_at_the_boundary():
     matrix = np.asarray([[1, 0], [0, 1], [1, 0], [1, 0], [0.6, 0.8]], np.float32)
     none = np.array([None] * 5, object)
     owner = OwnerVectors(1, 5, 0, ids, matrix, (none, none), _subjects(none, none),
-                         np.full(5, np.inf))
+                         np.full(5, np.inf), np.zeros(5, bool))
     got, distances = owner.nearest(np.asarray([1, 0], np.float32), 2)
     assert got.tolist() == [20, 40] and distances.tolist() == [0.0, 0.0]
     assert owner.nearest(np.asarray([1, 0], np.float32), 9)[0].tolist() == [20, 40, 50, 30, 10]
@@ -325,7 +325,7 @@ def test_nearest_ranks_only_the_scope_asked_for():
     agents = np.array(["a", "b", None, "a"], object)
     runs = np.array(["r1", "r1", "r1", None], object)
     owner = OwnerVectors(1, 4, 0, ids, matrix, (agents, runs), _subjects(agents, runs),
-                         np.full(4, np.inf))
+                         np.full(4, np.inf), np.zeros(4, bool))
     query = np.asarray([1, 0], np.float32)
     assert owner.nearest(query, 9)[0].tolist() == [10, 20, 30, 40]
     assert owner.nearest(query, 9, Scope(agent_id="a"))[0].tolist() == [10, 40]
@@ -341,7 +341,7 @@ def test_nearest_never_returns_an_expired_fact():
     agents = np.array(["a", "a", None], object)
     runs = np.array([None] * 3, object)
     owner = OwnerVectors(1, 3, 0, ids, matrix, (agents, runs), _subjects(agents, runs),
-                         np.asarray([100.0, np.inf, 200.0]))
+                         np.asarray([100.0, np.inf, 200.0]), np.zeros(3, bool))
     query = np.asarray([1, 0], np.float32)
     assert owner.nearest(query, 9, now=99.0)[0].tolist() == [10, 20, 30]
     assert owner.nearest(query, 9, now=100.0)[0].tolist() == [20, 30]  # expired at 100

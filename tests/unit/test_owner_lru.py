@@ -14,7 +14,8 @@ from inferscale.serving.owner_index import OwnerLRU, OwnerVectors
 def _owner(rows: int) -> OwnerVectors:
     return OwnerVectors(version=1, inserted=rows, retired=0, ids=np.arange(rows, dtype=np.int64),
                         buffer=np.zeros((rows, 4), np.float32), scopes=(),
-                        subjects=np.empty(rows, object), expires=np.full(rows, np.inf))
+                        subjects=np.empty(rows, object), expires=np.full(rows, np.inf),
+                        pinned=np.zeros(rows, bool))
 
 
 def test_least_recently_used_owners_leave_first_within_the_budget():
