@@ -69,6 +69,18 @@ def test_key_scale_strength_is_signed_and_must_be_a_number_in_0_1():
             verify(_signed_body({**body, "key_scales": value}), SECRET)
 
 
+def test_the_exact_prefix_is_signed_and_must_lie_within_the_segments():
+    exact = Plan("f" * 64, _plan().segments, exact=4)
+    assert verify(json.loads(json.dumps(sign(exact, SECRET))), SECRET).exact == 4
+    body = {k: v for k, v in sign(_plan(), SECRET).items() if k not in ("sig", "exact")}
+    assert verify(_signed_body(body), SECRET).exact == 0  # absent: nothing must be exact
+    for value in (True, -1, 6, 2**70, 1.0, "3", None, [1]):
+        with pytest.raises(PlanError, match="exact"):
+            verify(_signed_body({**body, "exact": value}), SECRET)
+    with pytest.raises(PlanError):
+        verify({**sign(exact, SECRET), "exact": 0}, SECRET)  # tampered
+
+
 @FUZZ
 @given(data=json_values | st.dictionaries(st.sampled_from(["sig", "fingerprint", "segments"]),
                                           json_values))
@@ -111,7 +123,7 @@ def _scheduler(root, asynchronous=False):
     from inferscale.serving.connector_scheduler import ConnectorScheduler
 
     return ConnectorScheduler(SECRET, "f" * 64, KVStore(LocalDir(root), "f" * 64, host_bytes=0),
-                              asynchronous)
+                              asynchronous, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +234,28 @@ def test_with_one_group_a_claim_loads_in_the_step_that_schedules_it(tmp_path):
     assert scheduler_side.step_metadata(_step()).loads == []  # not scheduled in this step
     loads = scheduler_side.step_metadata(_step(["c"], ([7, 8],))).loads
     assert [(spec.block_ids, spec.asynchronous) for spec in loads] == [([[7, 8]], False)]
+
+
+def test_a_plan_with_an_exact_prefix_claims_only_after_the_prefix_cache_holds_it(tmp_path):
+    """Pinned facts come exact from the engine's prefix cache: with less of them held than
+    their last whole block (block size 4 here), the request claims nothing (the engine
+    prefills it all, caching them); with that much held, it claims the rest."""
+    import torch
+
+    scheduler_side = _scheduler(tmp_path)
+    kv = torch.zeros((2, 6, 1, 4), dtype=torch.bfloat16)
+    pinned = scheduler_side.store.put(fact_blob(1), kv, kv.clone(), [1, 2, 3, 4, 5, 6], window=0)
+    retrieved = scheduler_side.store.put(fact_blob(2), kv[:, :3], kv[:, :3].clone(), [7, 8, 9],
+                                         window=0)
+    plan = Plan("f" * 64, [Segment.of(fact_blob(1), 0, [1, 2, 3, 4, 5, 6], pinned.checksum),
+                           Segment.of(fact_blob(2), 6, [7, 8, 9], retrieved.checksum)], exact=6)
+    request = SimpleNamespace(request_id="x", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+                              kv_transfer_params={PLAN_KEY: sign(plan, SECRET)})
+    for held in (0, 3):  # less than the exact prefix's whole block [0, 4)
+        assert scheduler_side.matched_tokens(request, held) == (0, False)
+    assert scheduler_side.matched_tokens(request, 4) == (5, False)  # positions 4..8 injected
+    assert scheduler_side.matched_tokens(request, 8) == (1, False)
+    unpinned = SimpleNamespace(request_id="y", prompt_token_ids=request.prompt_token_ids,
+                               kv_transfer_params={PLAN_KEY: sign(
+                                   Plan("f" * 64, plan.segments), SECRET)})
+    assert scheduler_side.matched_tokens(unpinned, 0) == (9, False)
