@@ -80,6 +80,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
             if value is not None}
         report = soak.run(settings, data, out, soak.SoakConfig(**given))
         return 0 if report["checks"]["passed"] else 1
+    elif args.which == "pinned":
+        from inferscale.lab.bench import pinned
+
+        pinned.run(settings, data, out, k=settings.top_k, p=args.pinned)
     elif args.which == "inject":
         from transformers import AutoConfig
 
@@ -168,7 +172,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "hybrid", "throughput", "ingest",
                                      "freshness", "load", "extract", "retrieval", "pagein",
-                                     "inject", "cost", "memory-api", "soak"])
+                                     "inject", "cost", "memory-api", "soak", "pinned"])
     p.add_argument("--data", default=str(SAMPLE),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
@@ -200,6 +204,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="soak: faults, spread evenly over the run (default: all six)")
     p.add_argument("--fault-s", type=float,
                    help="soak: how long a full disk or a slow store lasts (60)")
+    p.add_argument("--pinned", type=int, default=5,
+                   help="pinned: facts pinned (5), against the server's top_k plus as many "
+                        "retrieved")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="answer fidelity on LoCoMo: inject vs text vs none; "

@@ -361,3 +361,46 @@ def test_index_budget_setting_refuses_nonsense(monkeypatch, raw):
     monkeypatch.setenv("INFERSCALE_RETRIEVAL_INDEX_BYTES", raw)
     with pytest.raises(ValidationError, match="retrieval_index_bytes"):
         Settings()
+
+
+async def test_pinned_facts_come_first_in_id_order_and_the_k_are_ranked_among_the_others(
+        engine, index):
+    """With ``pinned``: the owner's pinned facts in the scope (at most that many, id order),
+    then the k nearest of the others; held vectors and Postgres's ranking agree with brute
+    force; without it, pinned facts rank like any other (memory search)."""
+    rng = np.random.default_rng(29)
+    owner = f"owner-{uuid.uuid4().hex[:6]}"
+    vectors = _unit(rng.standard_normal((30, 384)).astype(np.float32))
+    rows = [dataclasses.replace(row, agent_id="coach" if i % 2 else None)
+            for i, row in enumerate(_rows(owner, vectors))]
+    await _insert(engine, rows)
+    async with engine.begin() as conn:
+        ids = list((await conn.execute(select(facts.c.id).where(facts.c.user_id == owner)
+                                       .order_by(facts.c.id))).scalars())
+        pinned = [ids[i] for i in (3, 7, 8, 20)]  # 7 is the agent's (odd), 3 too
+        await conn.execute(update(facts).where(facts.c.id.in_(pinned)).values(pinned=True))
+    query = _unit(rng.standard_normal(384).astype(np.float32))
+
+    def expected(scope: Scope, most: int) -> list[str]:
+        inside = [i for i, row in enumerate(rows) if scope.agent_id in (None, row.agent_id)]
+        first = [i for i in inside if ids[i] in pinned][:most]
+        others = [i for i in inside if ids[i] not in pinned]
+        ranked = [others[j] for j in np.argsort(-(vectors[others] @ query), kind="stable")[:5]]
+        return [f"{owner} {i}" for i in first + ranked]
+
+    over_budget = OwnerIndex(engine, MODEL, max_bytes=10 * (384 * 4 + 8))
+    for search in (index.search, over_budget.search):
+        for scope, most in ((Scope(), 16), (Scope(), 2), (Scope(agent_id="coach"), 16)):
+            hits = await search(owner, query, 5, scope, pinned=most)
+            assert [h.text for h in hits] == expected(scope, most), (scope, most)
+            assert [h.pinned for h in hits] == [h.id in pinned for h in hits]
+        plain = await search(owner, query, 30)
+        assert [h.text for h in plain] == [
+            f"{owner} {i}" for i in np.argsort(-(vectors @ query), kind="stable")]
+        assert [h.id for h in await search(owner, query, 0, pinned=16)] == pinned
+    async with engine.begin() as conn:  # a pinned fact retired leaves at once
+        await conn.execute(update(facts).where(facts.c.id == pinned[0])
+                           .values(deleted_at=datetime.now(UTC)))
+    for search in (index.search, over_budget.search):
+        hits = await search(owner, query, 5, pinned=16)
+        assert [h.id for h in hits if h.pinned] == pinned[1:] and len(hits) == 8

@@ -273,3 +273,54 @@ async def test_scopes_never_leak_across_agents_runs_or_users(served, smol, cfg, 
         assert response.status_code not in (401, 403), (response.request.url, response.text)
     assert [(f["id"], f["text"]) for f in memory.list_facts(user)["facts"]] == [
         (f["id"], f["text"]) for f in listed]  # the chats paged KV in: tiers moved, not facts
+
+
+PINNED = ["Ines is vegetarian: she has not eaten meat or fish since she was sixteen, and she "
+          "cooks lentil curries, mushroom risotto and chickpea stews for her friends.",
+          "Ines prefers short answers in plain words, without lists, and she likes to be "
+          "reminded of the dates of her sister's visits from Montreal well in advance.",
+          "Ines was born in Braga in 1988, studied chemistry at the University of Porto and "
+          "has taught at the same secondary school near the river since 2015.",
+          "Ines rides her horse every Saturday morning at a stable outside the city, and on "
+          "Sundays she plays the cello in an amateur orchestra that rehearses downtown."]
+
+
+async def test_pinned_facts_are_in_every_prompt_first_and_come_exact_from_the_prefix_cache(
+        served, smol, cfg, engine, embedder):
+    """Pinned facts lead every memory prompt of their owner, in id order, besides the k
+    retrieved; the first request of a session prefills them (nothing injected), the next ones
+    read their whole blocks from vLLM's prefix cache and inject only the rest; unpinning is
+    an edit, served at once; an owner at pinned_max gets a 409."""
+    encoder, store = smol
+    user = await _user_with_facts(cfg, engine, embedder, smol)
+    memory = MemoryClient(served.url)
+    pins = [memory.add_fact(user, text, pinned=True) for text in PINNED]
+    assert all(p.pinned for p in pins) and [f.pinned for f in memory.list_facts(user)[
+        "facts"]] == [False] * len(FACTS) + [True] * len(PINNED)
+    await EncodeWorker(cfg, engine, encoder, store).run(drain=True)
+    pinned_ids = [p.id for p in pins]
+
+    first = served.chat(user, "What is the name of Ines's horse?", k=1, recompute=0)
+    assert _served_ids(first)[:len(PINNED)] == pinned_ids and len(_served_ids(first)) == 5
+    assert first.headers["x-inferscale-facts-pinned"] == str(len(PINNED))
+    assert "horse" in memory.get_fact(user, _served_ids(first)[-1])["text"]
+    planned = int(first.headers["x-inferscale-injected-tokens"])
+    assert planned > 128  # the pinned facts fill at least one of the CPU engine's blocks
+    assert first.json()["kv_transfer_params"]["injected_tokens"] == 0  # prefilled, exact
+    second = served.chat(user, "Where does Clara live?", k=1, recompute=0)
+    assert _served_ids(second)[:len(PINNED)] == pinned_ids
+    injected = second.json()["kv_transfer_params"]["injected_tokens"]
+    assert 0 < injected <= int(second.headers["x-inferscale-injected-tokens"]) - 128
+    text = served.chat(user, "Where does Clara live?", k=1, mode="text")
+    assert _served_ids(text)[:len(PINNED)] == pinned_ids  # pinned in every mode
+    assert text.json()["kv_transfer_params"]["injected_tokens"] == 0
+
+    unpinned = memory.edit_fact(user, pinned_ids[0], pinned=False)
+    assert not unpinned.pinned and unpinned.replaces == pinned_ids[0]
+    after = served.chat(user, "What is the name of Ines's horse?", k=1, recompute=0)
+    assert _served_ids(after)[:3] == pinned_ids[1:] and pinned_ids[0] not in _served_ids(after)
+    with pytest.raises(MemoryAPIError) as full:
+        for i in range(served.settings.pinned_max):
+            memory.add_fact(user, f"Ines's standing instruction number {i}.", pinned=True)
+    assert full.value.status == 409 and "pinned_max" in str(full.value)
+    assert sum(f.pinned for f in memory.iter_facts(user)) == served.settings.pinned_max

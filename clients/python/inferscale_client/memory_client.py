@@ -138,21 +138,22 @@ class MemoryClient:
 
     def add_fact(self, user: str, text: str, conversation_id: str = "operator",
                  agent_id: str | None = None, run_id: str | None = None,
-                 metadata: dict[str, Any] | None = None, expires_at: datetime | None = None
-                 ) -> Fact:
+                 metadata: dict[str, Any] | None = None, expires_at: datetime | None = None,
+                 pinned: bool = False) -> Fact:
         """A fact given directly (no source turn), by a key that may write the owner's scope,
-        never served from ``expires_at`` (aware) on; its ``event_id`` says when it is
-        encoded."""
+        never served from ``expires_at`` (aware) on, ``pinned``: in every memory prompt of
+        the owner, first; its ``event_id`` says when it is encoded."""
         return self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id,
-                                          metadata, expires_at))
+                                          metadata, expires_at, pinned))
 
     def edit_fact(self, user: str, fact_id: int, text: str | None = None,
                   metadata: dict[str, Any] | None = None,
-                  expires_at: datetime | None | EllipsisType = ...) -> Fact:
-        """The new version of the fact (new text, metadata and / or expiry: ``...`` keeps
-        the old one's, None never expires; a new id, ``replaces`` the old one, now
-        retired)."""
-        return self._send(routes.edit_fact(user, fact_id, text, metadata, expires_at))
+                  expires_at: datetime | None | EllipsisType = ...,
+                  pinned: bool | None = None) -> Fact:
+        """The new version of the fact (new text, metadata, expiry and / or pinning:
+        ``...`` keeps the old expiry, None never expires; ``pinned`` None keeps it; a new id,
+        ``replaces`` the old one, now retired)."""
+        return self._send(routes.edit_fact(user, fact_id, text, metadata, expires_at, pinned))
 
     def delete_fact(self, user: str, fact_id: int) -> Deleted:
         return self._send(routes.delete_fact(user, fact_id))
@@ -248,14 +249,16 @@ class AsyncMemoryClient:
     async def add_fact(self, user: str, text: str, conversation_id: str = "operator",
                        agent_id: str | None = None, run_id: str | None = None,
                        metadata: dict[str, Any] | None = None,
-                       expires_at: datetime | None = None) -> Fact:
+                       expires_at: datetime | None = None, pinned: bool = False) -> Fact:
         return await self._send(routes.add_fact(user, text, conversation_id, agent_id, run_id,
-                                                metadata, expires_at))
+                                                metadata, expires_at, pinned))
 
     async def edit_fact(self, user: str, fact_id: int, text: str | None = None,
                         metadata: dict[str, Any] | None = None,
-                        expires_at: datetime | None | EllipsisType = ...) -> Fact:
-        return await self._send(routes.edit_fact(user, fact_id, text, metadata, expires_at))
+                        expires_at: datetime | None | EllipsisType = ...,
+                        pinned: bool | None = None) -> Fact:
+        return await self._send(routes.edit_fact(user, fact_id, text, metadata, expires_at,
+                                                 pinned))
 
     async def delete_fact(self, user: str, fact_id: int) -> Deleted:
         return await self._send(routes.delete_fact(user, fact_id))

@@ -53,6 +53,7 @@ class Fact(Result):
     deleted_at: datetime | None = None  # set on a retired version
     superseded_by: int | None = None  # the version that replaced it
     expires_at: datetime | None = None  # never served from then on (None: never expires)
+    pinned: bool = False  # in every memory prompt of its owner, first
     kv: FactKV
     replaces: int | None = None  # an edit's result: the version it retired
     event_id: str | None = None  # an add's result: its event (``MemoryClient.event``)

@@ -88,21 +88,24 @@ def search(user: str, query: str, k: int, agent_id: str | None = None,
 
 def add_fact(user: str, text: str, conversation_id: str, agent_id: str | None = None,
              run_id: str | None = None, metadata: dict[str, Any] | None = None,
-             expires_at: datetime | None = None) -> Call[Fact]:
+             expires_at: datetime | None = None, pinned: bool = False) -> Call[Fact]:
     return Call("POST", f"{_user(user)}/facts", Fact.model_validate,
                 body={"text": text, "conversation_id": conversation_id,
                       **_scope(agent_id, run_id), **_given(metadata=metadata),
-                      **_given(expires_at=expires_at and expires_at.isoformat())})
+                      **_given(expires_at=expires_at and expires_at.isoformat()),
+                      **({"pinned": True} if pinned else {})})
 
 
 def edit_fact(user: str, fact_id: int, text: str | None,
               metadata: dict[str, Any] | None = None,
-              expires_at: datetime | None | EllipsisType = ...) -> Call[Fact]:
-    """``expires_at``: ``...`` keeps the fact's, None: never expires."""
+              expires_at: datetime | None | EllipsisType = ...,
+              pinned: bool | None = None) -> Call[Fact]:
+    """``expires_at``: ``...`` keeps the fact's, None: never expires; ``pinned`` None: as
+    it was."""
     expiry = {} if expires_at is ... else {
         "expires_at": expires_at.isoformat() if expires_at else None}
     return Call("PATCH", f"{_user(user)}/facts/{int(fact_id)}", Fact.model_validate,
-                body={**_given(text=text, metadata=metadata), **expiry})
+                body={**_given(text=text, metadata=metadata, pinned=pinned), **expiry})
 
 
 def delete_fact(user: str, fact_id: int) -> Call[Deleted]:
