@@ -58,7 +58,11 @@ from inferscale.serving.memory_api import serve_memory
 from inferscale.serving.memory_ops import named_scope
 from inferscale.serving.memory_service import EngineMemory
 from inferscale.serving.metrics import FRONTEND_METRICS as M
-from inferscale.serving.request_options import MemoryOptions, owner_and_options
+from inferscale.serving.request_options import (
+    MemoryOptions,
+    owner_and_options,
+    refuse_memory_elsewhere,
+)
 
 log = logging.getLogger("inferscale.serving.frontend")
 
@@ -222,6 +226,7 @@ class MemoryFrontend:
         data = (await asyncio.to_thread(parse_request, body)
                 if len(body) > PARSE_IN_THREAD_BYTES else parse_request(body))
         if path != CHAT_PATH or not isinstance(data, dict):
+            refuse_memory_elsewhere(path, data, headers)
             return _Rewritten(body)
         owner, options = owner_and_options(data, headers, self.settings)
         if owner is None:

@@ -172,6 +172,23 @@ def test_refusals_carry_no_memory_headers(served, memory_user):
     assert not any(h.startswith("x-inferscale") for h in too_long.headers)
 
 
+def test_memory_asked_of_completions_or_responses_is_refused_not_ignored(served, memory_user):
+    """Memory is served on chat completions only: /v1/completions and /v1/responses refuse a
+    request that asks for it (400 naming the route) and answer one that does not."""
+    for path, body in (("/v1/completions", {"prompt": "Where does Ines teach?"}),
+                       ("/v1/responses", {"input": "Where does Ines teach?"})):
+        body = {"model": "inferscale", "max_tokens" if "prompt" in body else
+                "max_output_tokens": 16, **body}
+        for extra, headers in (({"inferscale": {"k": 2}}, {}),
+                               ({}, {"x-inferscale-user": memory_user})):
+            refused = httpx.post(f"{served.url}{path}", json={**body, **extra}, timeout=60,
+                                 headers={**AUTH, **headers})
+            assert refused.status_code == 400 and path in refused.json()["error"]["message"]
+        plain = httpx.post(f"{served.url}{path}", json={**body, "user": memory_user},
+                           timeout=60, headers=AUTH)
+        assert plain.status_code == 200, plain.text
+
+
 async def test_text_prompts_are_salted_per_owner(served, memory_user):
     """A text-mode memory prompt's cached blocks serve its owner again, nobody else."""
     from inferscale.serving.compose import MemoryRuntime, compose

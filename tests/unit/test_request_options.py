@@ -150,3 +150,21 @@ def test_hostile_options_are_read_or_refused_with_a_400(options, headers):
         assert all(0 < len(value) <= 256 and "\x00" not in value
                    for _, value in read.scope.items())
         read.where  # noqa: B018 - a filter that was read parses
+
+
+def test_memory_asked_of_another_generation_route_is_a_400_naming_it():
+    """Memory is served on chat completions only: /v1/completions, /v1/responses and vLLM's
+    other generation routes refuse a request that asks for it (body object, owner header or an
+    option's header), and let through one that does not (``user`` is OpenAI's end-user id)."""
+    from inferscale.serving.request_options import WITHOUT_MEMORY, refuse_memory_elsewhere
+
+    for path in sorted(WITHOUT_MEMORY):
+        for data, headers in (({"inferscale": {"k": 3}}, {}), ({}, {"x-inferscale-user": "a"}),
+                              ({"prompt": "hi"}, {"x-inferscale-k": "3"})):
+            with pytest.raises(FrontendError) as refused:
+                refuse_memory_elsewhere(path, data, headers)
+            assert refused.value.status == 400 and path in refused.value.message
+        refuse_memory_elsewhere(path, {"prompt": "hi", "user": "alice"}, {})
+        refuse_memory_elsewhere(path, ["not", "an", "object"], {})
+    refuse_memory_elsewhere("/v1/memory/users/a/facts", {"inferscale": 1},
+                            {"x-inferscale-user": "a"})  # the memory API's own routes
