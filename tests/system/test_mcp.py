@@ -94,6 +94,12 @@ async def test_every_tool_over_stdio(served):
         fact = added["fact"]
         assert fact["user_id"] == owner and fact["extractor"] == "operator"
         await _ok(mcp, "add_memory", text="Ines teaches chemistry in Porto.", agent_id="tutor")
+        assert not fact["pinned"]
+        profile = (await _ok(mcp, "add_memory", text="Ines prefers short answers.",
+                             pinned=True))["fact"]
+        assert profile["pinned"] and (await _ok(mcp, "get_memory", fact_id=profile["id"]))[
+            "pinned"]
+        await _ok(mcp, "delete_memory", fact_id=profile["id"])
         hits = await _ok(mcp, "search_memory", query="What is Ines's horse called?", k=1)
         assert [h["id"] for h in hits] == [fact["id"]]
         page = await _ok(mcp, "list_memories", limit=1)

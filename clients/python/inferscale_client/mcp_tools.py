@@ -87,15 +87,21 @@ def build_server(connect: Callable[[], AsyncMemoryClient], owner: str | None = N
                          turns: Annotated[list[Turn] | None, Field(
                              description="Conversation turns to extract memories from")] = None,
                          conversation_id: str = "mcp", user: Owner = None, agent_id: Agent = None,
-                         run_id: Run = None) -> Added:
-        """Remember something: a fact as written (`text`), or conversation turns (`turns`) that
-        the server's workers turn into memories shortly after. Give one of the two."""
+                         run_id: Run = None, pinned: Annotated[bool, Field(
+                             description="The fact is in every prompt of the owner, first "
+                                         "(a profile, a standing instruction)")] = False
+                         ) -> Added:
+        """Remember something: a fact as written (`text`, `pinned` or not), or conversation
+        turns (`turns`) that the server's workers turn into memories shortly after. Give one of
+        the two."""
         if (text is None) == (turns is None):
             raise ToolError("give either `text` (a fact) or `turns`, not both or neither")
+        if pinned and turns is not None:
+            raise ToolError("`pinned` applies to a fact given as `text`")
         who = whose(user)
         if text is not None:
-            return Added(fact=await call(lambda m: m.add_fact(who, text, conversation_id,
-                                                              agent_id, run_id)))
+            return Added(fact=await call(lambda m: m.add_fact(
+                who, text, conversation_id, agent_id, run_id, pinned=pinned)))
         now = datetime.now(UTC)
         events = [{"conversation_id": conversation_id, "speaker": t.speaker, "text": t.text,
                    "turn_id": t.turn_id or uuid.uuid4().hex,
