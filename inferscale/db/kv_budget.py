@@ -25,11 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import func, text
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
-
-from inferscale.db.tables import memory_activity
 
 _LOCK = 0x1F5C_0B0D  # the advisory lock of the evictor
 
@@ -118,7 +115,13 @@ async def evict_over_budget(conn: AsyncConnection, budget_bytes: int | None,
     return [EvictedKV(r.id, r.user_id, r.location, r.nbytes) for rows in passes for r in rows]
 
 
+# The user's and the facts' stamps in one statement (one round trip, atomic on its own: a
+# data-modifying WITH runs once whether or not the outer statement reads it; one now()).
 _STAMP = text("""
+    WITH user_stamp AS (
+        INSERT INTO memory_activity (user_id, served_at) VALUES (:user, now())
+        ON CONFLICT (user_id) DO UPDATE SET served_at = now()
+    )
     UPDATE fact_kv SET served_at = now()
     WHERE model_fingerprint = :fingerprint AND fact_id = ANY(:ids)
 """)
@@ -137,10 +140,8 @@ async def note_served(conn: AsyncConnection, user_id: str, fingerprint: str,
     memory too: the tier evicts the least recently served users first); of them ``missed`` had
     no KV, so mark those whose KV for that model was evicted as wanted (the encode stage encodes
     them before its backlog). Returns how many were marked."""
-    stamp = insert(memory_activity).values(user_id=user_id, served_at=func.now())
-    await conn.execute(stamp.on_conflict_do_update(index_elements=["user_id"],
-                                                   set_={"served_at": func.now()}))
-    await conn.execute(_STAMP, {"fingerprint": fingerprint, "ids": list(served)})
+    await conn.execute(_STAMP, {"user": user_id, "fingerprint": fingerprint,
+                                "ids": list(served)})
     if not missed:
         return 0
     return int((await conn.execute(_WANT, {"user": user_id, "fingerprint": fingerprint,

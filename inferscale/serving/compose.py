@@ -90,10 +90,13 @@ class MemoryRuntime:
             from inferscale.db.kv_budget import note_served
 
             try:
-                async with self.engine.begin() as conn:
-                    if wanted := await note_served(conn, owner, self.fingerprint, stamped,
-                                                    missed):
-                        M.reencodes_wanted.inc(wanted)
+                async with self.engine.connect() as conn:
+                    if not missed:  # one statement, atomic alone: no BEGIN / COMMIT round trips
+                        await conn.execution_options(isolation_level="AUTOCOMMIT")
+                    wanted = await note_served(conn, owner, self.fingerprint, stamped, missed)
+                    await conn.commit()
+                if wanted:
+                    M.reencodes_wanted.inc(wanted)
             except Exception as exc:  # noqa: BLE001 - bookkeeping: the answer is unaffected
                 log.warning("cannot record that %s's memory was served: %s", owner, exc)
 

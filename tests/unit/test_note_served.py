@@ -10,10 +10,18 @@ import inferscale.db.kv_budget as kv_budget
 from inferscale.serving.compose import SERVED_STAMP_S, MemoryRuntime
 
 
+class _Conn:
+    async def execution_options(self, **options):
+        return self
+
+    async def commit(self):
+        pass
+
+
 class _Engine:
     @contextlib.asynccontextmanager
-    async def begin(self):
-        yield None
+    async def connect(self):
+        yield _Conn()
 
 
 async def test_facts_are_stamped_once_a_while_and_misses_name_only_the_facts_missed(
