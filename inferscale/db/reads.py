@@ -12,6 +12,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     and_,
+    bindparam,
     cast,
     func,
     or_,
@@ -117,15 +118,18 @@ class StoredEmbedding:
     expires_at: datetime | None
     pinned: bool = False
 
+# Built once: constructing the select on every call cost ~0.2 ms of CPU per catch-up.
+_FACT_EMBEDDINGS = (
+    select(facts.c.id, func.vector_send(facts.c.embedding).label("embedding"),
+           facts.c.agent_id, facts.c.run_id, facts.c.metadata, facts.c.created_at,
+           facts.c.expires_at, facts.c.pinned)
+    .where(facts.c.id == func.any(cast(bindparam("ids"), ARRAY(BigInteger))))
+    .order_by(facts.c.id))
+
 async def fact_embeddings(conn: AsyncConnection, fact_ids: Sequence[int]
                           ) -> list[StoredEmbedding]:
     """These facts' embeddings, scopes, metadata, times and pinning, in id order."""
-    rows = await conn.execute(select(
-        facts.c.id, func.vector_send(facts.c.embedding).label("embedding"), facts.c.agent_id,
-        facts.c.run_id, facts.c.metadata, facts.c.created_at, facts.c.expires_at,
-        facts.c.pinned)
-        .where(facts.c.id == func.any(cast(list(fact_ids), ARRAY(BigInteger))))
-        .order_by(facts.c.id))
+    rows = await conn.execute(_FACT_EMBEDDINGS, {"ids": list(fact_ids)})
     return [StoredEmbedding(r.id, bytes(r.embedding), r.agent_id, r.run_id, r.metadata,
                             r.created_at, r.expires_at, r.pinned) for r in rows]
 

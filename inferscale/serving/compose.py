@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("inferscale.serving.compose")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 SERVED_STAMP_S = 60.0  # how often a fact's "served at" is written, at most
+STAMP_BATCH_S = 0.5  # how long served stamps wait to be written with others
 TEXT_PART_TYPES = ("text", "input_text")
 
 
@@ -73,36 +74,48 @@ class MemoryRuntime:
         self.index = OwnerIndex(self.engine, self.fingerprint, settings.retrieval_index_bytes)
         self.store = KVStore.from_settings(settings, self.fingerprint, host_bytes=0)
         self._served: TTLCache[int, bool] = TTLCache(maxsize=1 << 17, ttl=SERVED_STAMP_S)
-        self._noting: set[asyncio.Task[None]] = set()
+        self._unwritten: dict[str, tuple[dict[int, None], dict[int, None]]] = {}
+        self._writing: asyncio.Task[None] | None = None
 
     def note_served(self, owner: str, served: list[int], missed: list[int]) -> None:
         """In the background, off the request: stamp the owner's ``served`` facts as served (each
         at most every ``SERVED_STAMP_S``, well within the eviction grace) and ask for the
         ``missed`` ones (served without KV) to be encoded again where their KV was evicted
-        (``db/kv_budget.py``)."""
+        (``db/kv_budget.py``). Written ``STAMP_BATCH_S`` later, with every other request's
+        of that time: one write per owner per batch, not one per request."""
         stamped = [i for i in served if i not in self._served or i in missed]
         if not stamped:
             return
         for fact_id in stamped:
             self._served[fact_id] = True
+        unwritten = self._unwritten.setdefault(owner, ({}, {}))
+        unwritten[0].update(dict.fromkeys(stamped))
+        unwritten[1].update(dict.fromkeys(missed))
+        if self._writing is None or self._writing.done():
+            self._writing = asyncio.get_running_loop().create_task(self._write_later())
 
-        async def note() -> None:
-            from inferscale.db.kv_budget import note_served
+    async def _write_later(self) -> None:
+        await asyncio.sleep(STAMP_BATCH_S)
+        await self.write_served()
 
+    async def write_served(self) -> None:
+        """Write what ``note_served`` holds now, owner by owner (a failure is logged: the
+        bookkeeping never touches an answer)."""
+        from inferscale.db.kv_budget import note_served
+
+        batch, self._unwritten = self._unwritten, {}
+        for owner, (stamped, missed) in batch.items():
             try:
                 async with self.engine.connect() as conn:
                     if not missed:  # one statement, atomic alone: no BEGIN / COMMIT round trips
                         await conn.execution_options(isolation_level="AUTOCOMMIT")
-                    wanted = await note_served(conn, owner, self.fingerprint, stamped, missed)
+                    wanted = await note_served(conn, owner, self.fingerprint, list(stamped),
+                                               list(missed))
                     await conn.commit()
                 if wanted:
                     M.reencodes_wanted.inc(wanted)
             except Exception as exc:  # noqa: BLE001 - bookkeeping: the answer is unaffected
                 log.warning("cannot record that %s's memory was served: %s", owner, exc)
-
-        task = asyncio.get_running_loop().create_task(note())
-        self._noting.add(task)
-        task.add_done_callback(self._noting.discard)
 
 
 def _text(content: object) -> str:
