@@ -56,7 +56,7 @@ class ChangeRelay(BatchStage):
     async def handle_batch(self) -> int:
         try:
             async with self.engine.begin() as conn:
-                changes = await take_changes(conn, BATCH)
+                changes = await take_changes(conn, BATCH, self.settings.changes_with_text)
                 if not changes:
                     return 0
                 await self._publish([(c.user_id.encode(), c.to_bytes()) for c in changes])

@@ -1,7 +1,8 @@
 """Change events: what the change topic carries (``INFERSCALE_CHANGES_TOPIC``), one record per
 change to which facts of an owner are live, keyed by ``user_id`` (so an owner's changes stay in
-order on one partition). Ids only, never a fact's text: a consumer reads what it needs through
-the memory API.
+order on one partition). Ids only by default: a consumer reads what it needs through the memory
+API; with ``INFERSCALE_CHANGES_WITH_TEXT`` an ``added`` event carries the fact's text (read when
+the event is published: none where the fact is gone by then, e.g. its owner was forgotten).
 
 Delivery is at least once, in the order the changes were recorded (``change_id`` grows with
 it): after a crash between publishing and marking them published, the relay publishes the same
@@ -36,6 +37,7 @@ class MemoryChange(BaseModel):
     agent_id: ScopeValue | None = None
     run_id: ScopeValue | None = None
     at: AwareDatetime
+    text: str | None = None  # an added fact's, where configured (see the module's docstring)
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()

@@ -135,6 +135,9 @@ class Settings(BaseSettings):
         "forgets every server applies"))
     changes_topic: str = Field(default="inferscale.memory.changes", min_length=1, description=(
         "change events out (contracts/change_events.py), keyed by user_id"))
+    changes_with_text: bool = Field(default=False, description=(
+        "whether an added fact's change event carries its text (default: ids only; a "
+        "consumer reads the text through the memory API, where access is checked)"))
     consumer_group: str = Field(default="inferscale-ingest", description=(
         "the workers' Kafka consumer group"))
     kafka_session_timeout_ms: int = Field(default=10_000, description=(

@@ -76,6 +76,26 @@ async def test_every_change_reaches_the_topic_once_in_order(settings, engine):
     assert ids == sorted(set(ids))  # once each, in the order recorded
     assert relay.published >= len(changes)
     assert await ChangeRelay(settings, engine, settings.kafka_bootstrap).run(drain=True) == 0
+    assert all(c.text is None for c in changes)  # ids only by default
+
+
+async def test_added_events_carry_the_text_where_configured_and_never_a_forgotten_owners(
+        settings, engine):
+    settings = settings.model_copy(update={"changes_with_text": True})
+    user, gone = (f"changes-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    now = datetime.now(UTC)
+    async with engine.begin() as conn:
+        bees = await add_fact(conn, user, MODEL, "c1", "Ada keeps bees.", now, _vector(1))
+        await delete_fact(conn, user, bees.id)
+        await add_fact(conn, gone, MODEL, "c1", "Gus keeps goats.", now, _vector(2))
+    async with engine.begin() as conn:
+        await delete_user(conn, gone)  # forgotten before the relay publishes
+    await ChangeRelay(settings, engine, settings.kafka_bootstrap).run(drain=True)
+    records = await read_topic(settings.kafka_bootstrap, settings.changes_topic, 4, timeout_s=30)
+    changes = [MemoryChange.model_validate_json(r.value) for r in records]
+    assert sorted((c.user_id == user, c.kind, c.text) for c in changes) == [
+        (False, "added", None), (False, "forgotten", None),
+        (True, "added", "Ada keeps bees."), (True, "deleted", None)]
 
 
 async def test_a_relay_dying_before_the_drop_publishes_the_same_changes_again(settings,

@@ -9,8 +9,19 @@ from inferscale.core.settings import Settings
 @pytest.mark.parametrize(("name", "raw"), [
     ("INFERSCALE_EXPIRE_INTERVAL_S", "0"), ("INFERSCALE_EXPIRE_INTERVAL_S", "-5"),
     ("INFERSCALE_EXPIRE_INTERVAL_S", "nan"), ("INFERSCALE_EXPIRE_INTERVAL_S", "inf"),
-    ("INFERSCALE_EXPIRE_INTERVAL_S", "soon"), ("INFERSCALE_CHANGES_TOPIC", "")])
+    ("INFERSCALE_EXPIRE_INTERVAL_S", "soon"), ("INFERSCALE_CHANGES_TOPIC", ""),
+    ("INFERSCALE_PINNED_MAX", "-1"), ("INFERSCALE_PINNED_MAX", "257"),
+    ("INFERSCALE_PINNED_MAX", "many"), ("INFERSCALE_CHANGES_WITH_TEXT", "perhaps")])
 def test_the_new_settings_refuse_nonsense(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValidationError):
         Settings()
+
+
+def test_the_new_settings_take_what_they_document(monkeypatch):
+    monkeypatch.setenv("INFERSCALE_PINNED_MAX", "0")
+    monkeypatch.setenv("INFERSCALE_CHANGES_WITH_TEXT", "true")
+    settings = Settings()
+    assert settings.pinned_max == 0 and settings.changes_with_text is True
+    assert Settings.model_fields["pinned_max"].default == 16
+    assert Settings.model_fields["changes_with_text"].default is False
