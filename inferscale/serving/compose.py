@@ -181,7 +181,7 @@ async def compose(rt: MemoryRuntime, owner: str, options: MemoryOptions, message
     head = facts[:max(len(facts) - options.recompute, 0)] if mode == "inject" else []
     pins_injectable = all(f.kv_location and f.token_ids for f in pins)
     injectable = ([f for f in pins + head if f.kv_location and f.token_ids]
-                  if pins_injectable else [])
+                  if mode == "inject" and pins_injectable else [])
     as_text = [f for f in pins + facts if f not in injectable]
     if mode == "inject":
         M.fallbacks.labels("not_encoded").inc(sum(

@@ -314,6 +314,7 @@ async def test_pinned_facts_are_in_every_prompt_first_and_come_exact_from_the_pr
     text = served.chat(user, "Where does Clara live?", k=1, mode="text")
     assert _served_ids(text)[:len(PINNED)] == pinned_ids  # pinned in every mode
     assert text.headers["x-inferscale-injected-tokens"] == "0"
+    assert text.headers["x-inferscale-facts-injected"] == "0"
     assert not (text.json().get("kv_transfer_params") or {}).get("injected_tokens")
 
     unpinned = memory.edit_fact(user, pinned_ids[0], pinned=False)
