@@ -4,9 +4,13 @@ vLLM hashes a prompt's KV blocks in a chain from the first block, and only the f
 carries the request's ``cache_salt``: two requests share a block only where their salts and
 every token up to the block's end are equal. The salt is keyed by the server's secret (no
 client can compute it to probe an owner's blocks) and holds the owner, the model, the client's
-own salt, the owner's pinned facts (ids: a fact's text never changes under its id, so an edit,
-unpin or delete changes the salt) and the request's class: memory mode, tail recompute, lead
-blobs, key scales, scope and how many facts retrieval ranked.
+own salt, the request's class (memory mode, tail recompute, lead blobs, key scales, scope and
+how many facts retrieval ranked) and the memory's ids: the owner's pinned facts where they have
+any, else every fact of the prompt. Fact ids are never reused and a fact's text never changes
+under its id, so the blocks of a forgotten owner's memory are never reached again (nor, without
+pinned facts, those of an edited or deleted fact); with pinned facts, the blocks after them
+are reached only by a prompt of the same owner, pinned facts and class holding the same tokens
+in the same places.
 
 Invariant: within one class, a fact's place in the prompt decides how its KV is made: the last
 ``recompute`` of the ranked facts are prefilled; any other fact is injected where it has usable
@@ -37,9 +41,11 @@ class CacheSalts:
         self._key = hashlib.sha256(b"inferscale cache salt\0" + secret.encode()).digest()
 
     def salt(self, owner: str, fingerprint: str, options: MemoryOptions, retrieved: int,
-             pinned: Sequence[int], client_salt: object) -> str:
-        """The salt of a memory prompt (see the module's docstring)."""
+             pinned: Sequence[int], fact_ids: Sequence[int], client_salt: object) -> str:
+        """The salt of a memory prompt (see the module's docstring): ``pinned``, the owner's
+        pinned facts in it; ``fact_ids``, every fact in it."""
+        memory = ["pinned", *pinned] if pinned else ["facts", *fact_ids]
         digest = hmac.new(self._key, json.dumps(
-            [owner, fingerprint, options.model_dump(include=CLASS_FIELDS), retrieved,
-             list(pinned), client_salt], sort_keys=True).encode(), hashlib.sha256).hexdigest()
+            [owner, fingerprint, options.model_dump(include=CLASS_FIELDS), retrieved, memory,
+             client_salt], sort_keys=True).encode(), hashlib.sha256).hexdigest()
         return f"inferscale-{digest[:32]}"

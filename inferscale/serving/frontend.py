@@ -272,7 +272,8 @@ class MemoryFrontend:
         if prompt.plan is not None:
             params[PLAN_KEY] = sign(prompt.plan, self.settings.plan_secret or "")
         data["cache_salt"] = self.salts.salt(owner, rt.fingerprint, options, prompt.retrieved,
-                                             prompt.pinned, data.get("cache_salt"))
+                                             prompt.pinned, prompt.fact_ids,
+                                             data.get("cache_salt"))
         data["kv_transfer_params"] = params
         M.requests.labels(options.mode).inc()
         M.facts.labels("injected").inc(prompt.facts_injected)

@@ -1,6 +1,7 @@
 """Cache salts of memory prompts: keyed by the server's secret, the same for requests of one
 owner, pinned facts and class (so they share prefix-cache blocks), and different wherever one
-of those differs (so an injected block never serves a request that prefills it by choice)."""
+of those differs (so an injected block never serves a request that prefills it by choice);
+without pinned facts, different for any other set of facts."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,8 +13,9 @@ BASE = MemoryOptions(mode="inject", k=5, recompute=0)
 SALTS = CacheSalts("s3cret")
 
 
-def _salt(options=BASE, owner="alice", retrieved=5, pinned=(3, 9), client=None, salts=SALTS):
-    return salts.salt(owner, "f" * 64, options, retrieved, pinned, client)
+def _salt(options=BASE, owner="alice", retrieved=5, pinned=(3, 9), facts=(3, 9, 20, 21),
+          client=None, salts=SALTS):
+    return salts.salt(owner, "f" * 64, options, retrieved, pinned, facts, client)
 
 
 def test_requests_of_one_owner_and_class_share_a_salt_whatever_they_ask():
@@ -22,13 +24,15 @@ def test_requests_of_one_owner_and_class_share_a_salt_whatever_they_ask():
     same = [BASE.model_copy(update=u) for u in (
         {"k": 5}, {"order": "time"}, {"filters": {"agent_id": "a"}}, {"recompute_margin": 0.1})]
     assert {_salt(options) for options in same} == {_salt()}
+    assert _salt(facts=(3, 9, 40, 41)) == _salt()  # with pinned facts: whatever is retrieved
     assert _salt().startswith("inferscale-") and len(_salt()) == len("inferscale-") + 32
 
 
 def test_every_part_of_the_class_and_every_identity_changes_the_salt():
     changed = [
         _salt(owner="bob"), _salt(retrieved=4), _salt(pinned=(3,)), _salt(pinned=(3, 10)),
-        _salt(pinned=()), _salt(client="their own"), _salt(salts=CacheSalts("another secret")),
+        _salt(pinned=()), _salt(pinned=(), facts=(20, 21)), _salt(client="their own"),
+        _salt(salts=CacheSalts("another secret")),
         *(_salt(BASE.model_copy(update=u)) for u in (
             {"mode": "text"}, {"recompute": 2}, {"lead": False}, {"key_scales": 0.5},
             {"agent_id": "a"}, {"run_id": "r"}))]
@@ -41,3 +45,10 @@ def test_every_part_of_the_class_and_every_identity_changes_the_salt():
 def test_any_client_salt_and_pinned_ids_give_a_salt_and_never_raise(client, pinned):
     salt = _salt(client=client, pinned=pinned)
     assert salt == _salt(client=client, pinned=list(pinned)) and salt.isascii()
+
+
+def test_without_pinned_facts_the_salt_names_every_fact_of_the_prompt():
+    """So a forgotten, edited or deleted fact's blocks are never reached again (fact ids are
+    never reused); with pinned facts, their ids do that for the owner's memory."""
+    assert _salt(pinned=(), facts=(20, 21)) != _salt(pinned=(), facts=(20, 22))
+    assert _salt(pinned=(), facts=(20, 21)) == _salt(pinned=(), facts=[20, 21])
