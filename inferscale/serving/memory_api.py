@@ -34,6 +34,7 @@ from inferscale.contracts.memory_export import (
     ExportedFact,
     ExportHeader,
     FactText,
+    Label,
 )
 from inferscale.contracts.metadata import Metadata
 from inferscale.contracts.scope import (
@@ -110,7 +111,7 @@ class NewFactBody(Scoped):
     ``expires_at`` (None: never), ``pinned``: in every memory prompt of the owner, first."""
 
     text: FactText
-    conversation_id: str = Field(default="operator", min_length=1, max_length=256)
+    conversation_id: Label = "operator"
     metadata: Metadata | None = None
     expires_at: AwareDatetime | None = None
     pinned: bool = False

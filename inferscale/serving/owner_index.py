@@ -184,7 +184,7 @@ class OwnerIndex:
             first = owner.chosen(scope, where, pinned=True) if pinned > 0 else None
             ids, distances = owner.nearest(query, k + SLACK if k > 0 else 0, scope, where,
                                            pinned=None if first is None else False)
-            if first is not None:  # first in id order, at most ``pinned`` of them
+            if first is not None and len(first[0]):  # first in id order, at most ``pinned``
                 ids = np.concatenate([first[0][:pinned], ids])
                 distances = np.concatenate([1.0 - first[1][:pinned] @ query, distances])
             async with self._connect() as conn:

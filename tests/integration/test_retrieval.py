@@ -398,6 +398,7 @@ async def test_pinned_facts_come_first_in_id_order_and_the_k_are_ranked_among_th
         assert [h.text for h in plain] == [
             f"{owner} {i}" for i in np.argsort(-(vectors @ query), kind="stable")]
         assert [h.id for h in await search(owner, query, 0, pinned=16)] == pinned
+        assert await search(f"nobody-{uuid.uuid4().hex[:6]}", query, 5, pinned=16) == []
     async with engine.begin() as conn:  # a pinned fact retired leaves at once
         await conn.execute(update(facts).where(facts.c.id == pinned[0])
                            .values(deleted_at=datetime.now(UTC)))

@@ -1,0 +1,36 @@
+"""The memory API's request bodies refuse what Postgres cannot store or the API does not mean,
+before any work: NUL and lone surrogates in any text, an edit that changes nothing."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from inferscale.serving.memory_api import EditBody, NewFactBody
+
+
+@pytest.mark.parametrize("field", ["text", "conversation_id"])
+@pytest.mark.parametrize("bad", ["a\x00b", "\ud800", ""])
+def test_a_new_fact_refuses_text_postgres_cannot_store(field, bad):
+    with pytest.raises(ValidationError):
+        NewFactBody.model_validate({"text": "Ines keeps bees.", field: bad})
+
+
+def test_a_new_fact_may_be_pinned_and_an_edit_may_only_pin():
+    assert NewFactBody.model_validate({"text": "Ines keeps bees.", "pinned": True}).pinned
+    assert EditBody.model_validate({"pinned": False}).pinned is False
+    with pytest.raises(ValidationError):
+        EditBody.model_validate({})
+    with pytest.raises(ValidationError):
+        NewFactBody.model_validate({"text": "Ines keeps bees.", "pinned": "yes please"})
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversation=st.text(max_size=300))
+def test_any_conversation_id_is_taken_whole_or_refused(conversation):
+    try:
+        body = NewFactBody.model_validate({"text": "x", "conversation_id": conversation})
+    except ValidationError:
+        return
+    assert body.conversation_id == conversation and "\x00" not in conversation
+    conversation.encode()  # storable: valid UTF-8
