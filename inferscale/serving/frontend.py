@@ -1,16 +1,16 @@
 """Memory front end inside vLLM's API server
 (``--middleware inferscale.serving.frontend.MemoryFrontend``).
 
-A chat completion naming a memory owner (``user``
-field or ``X-InferScale-User`` header) is rewritten before vLLM sees it: checked (``guards.py``),
-its memory options read (``request_options.py``), the prompt composed from the owner's top-k facts
-(``compose.py``) and sent as token ids, with a signed injection plan for the encoded facts
-(``kv_transfer_params``) and a ``cache_salt`` (``cache_salt.py``: what of vLLM's prefix cache it
-may reuse). Requests without an owner pass through untouched (client ``kv_transfer_params`` refused
-on every route). Every request, of any route, first passes the browser rules
-(``browser_guard.py``); memory requests and engine-control routes are admitted by ``access.py``. At
-start-up it adds the memory API's routes (``memory_api.py``, and Mem0's: ``mem0_api.py``) to vLLM's
-app, served by ``memory_service.py``; its ASGI plumbing is ``asgi.py``.
+A chat completion naming a memory owner (``user`` field or ``X-InferScale-User`` header) is
+rewritten before vLLM sees it: checked (``guards.py``), its memory options read
+(``request_options.py``), the prompt composed from the owner's top-k facts (``compose.py``) and
+sent as token ids, with a signed injection plan for the encoded facts (``kv_transfer_params``)
+and a ``cache_salt`` (``cache_salt.py``: what of vLLM's prefix cache it may reuse). Requests
+without an owner pass through untouched (client ``kv_transfer_params`` refused on every route).
+Every request, of any route, first passes the browser rules (``browser_guard.py``); memory
+requests and engine-control routes are admitted by ``access.py``. At start-up it adds the memory
+API's routes (``memory_api.py``, and Mem0's: ``mem0_api.py``) to vLLM's app, served by
+``memory_service.py``; its ASGI plumbing is ``asgi.py``.
 """
 
 from __future__ import annotations
