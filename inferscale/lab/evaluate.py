@@ -2,7 +2,9 @@
 
 Each conversation is ingested through the real pipeline (Kafka -> worker process -> Postgres and
 KV store) once per encoding. Then QA items of categories 1-4 are answered through the
-server, streamed, greedy, with logprobs: ``none``; ``text`` (top-k facts prefilled); ``inject``
+server, streamed, greedy, with logprobs: ``none``; ``text`` (top-k facts prefilled); with
+``--prefix-hit``, ``prefix hit`` (the same text prompt answered again from vLLM's prefix cache:
+the physical best, and a second numeric path of exact text); ``inject``
 (the same facts, same order, as KV) per encoding (context ``turns``: the w preceding turns, or
 ``neighbours``: the w most similar earlier facts), per tail-recompute m and with or without the
 lead encoding for the first fact served (``--lead on off``), with or without the key scales
@@ -10,7 +12,8 @@ lead encoding for the first fact served (``--lead on off``), with or without the
 KV encoded with exactly its serving prefix (what is left is numerics). Per configuration: LoCoMo
 F1, agreement with text on generated token ids (first token, first 4, whole answer), mean KL of
 the first-token distributions, the F1 gap with a paired bootstrap interval, and TTFT (each
-question's facts are paged into the host tier before its timed answers).
+question's facts are paged into the host tier before its timed answers) with paired bootstrap
+intervals of the median ratios to text prefill and to the prefix hit.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from inferscale.lab.bench.common import (
     settings_differing,
     write_report,
 )
-from inferscale.lab.fidelity import compare
+from inferscale.lab.fidelity import bootstrap_median_ratio_ci, compare
 from inferscale.lab.scoring import exact_match, locomo_f1
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import locomo_turns
@@ -50,7 +53,7 @@ class Config:
     facts recomputed, fact order, whether the first fact served uses its lead encoding and
     whether the facts' keys are scaled (the server's key scales, if it has any)."""
 
-    mode: str
+    mode: str  # none, text, hit (text from vLLM's prefix cache) or inject
     k: int = 0
     w: int | None = None
     recompute: int | str = 0  # or "auto"
@@ -67,6 +70,8 @@ class Config:
             return "none"
         if self.mode == "text":
             return f"text k={self.k} (user w={self.window}){order}"
+        if self.mode == "hit":
+            return f"prefix hit k={self.k} (user w={self.window}){order}"
         window = "oracle" if self.oracle else self.window
         lead = "" if self.lead else " no-lead"
         scaled = ("" if self.key_scales is None else " unscaled" if self.key_scales == 0
@@ -86,17 +91,24 @@ class Config:
         """The text configuration this one is compared with."""
         return Config("text", self.k, self.w, order=self.order, context=self.context)
 
+    def prefix_hit(self) -> Config:
+        """The prefix-hit configuration of this one's text prompt."""
+        return Config("hit", self.k, self.w, order=self.order, context=self.context)
+
 
 def configs(ks: list[int], encodings: list[tuple[str, int]], recomputes: list[int | str],
             order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
-            key_scales: tuple[float | None, ...] = (None,)) -> list[Config]:
-    """none, then per k: text per encoding (its own user), inject per encoding, recompute
-    (at most k), lead and key-scales choice, and the oracle window after the first encoding's
-    text."""
+            key_scales: tuple[float | None, ...] = (None,),
+            prefix_hit: bool = False) -> list[Config]:
+    """none, then per k: text per encoding (its own user), its prefix hit (if asked, k > 0),
+    inject per encoding, recompute (at most k), lead and key-scales choice, and the oracle
+    window after the first encoding's text."""
     out = [Config("none")]
     for k in ks:
         for context, w in encodings:
             out.append(Config("text", k, w, order=order, context=context))
+            if prefix_hit and k:
+                out.append(out[-1].prefix_hit())
             if oracle and k and (context, w) == encodings[0]:
                 out.append(Config("inject", k, w, 0, order, oracle=True, context=context))
             out += [Config("inject", k, w, m, order, context=context, lead=lead,
@@ -146,14 +158,16 @@ def _ingest(settings: Settings, samples: list[dict], encoding: tuple[str, int], 
 
 
 async def answer(client: httpx.AsyncClient, url: str, user: str, question: str, config: Config,
-                 max_tokens: int) -> dict:
-    """One streamed greedy answer (fresh cache salt): text, generated token ids, first-position
-    top logprobs, TTFT and the fact ids the server used, in prompt order."""
-    got = await stream_chat(client, url, user, question, config.mode, config.k, max_tokens,
+                 max_tokens: int, salt: str | None = None) -> dict:
+    """One streamed greedy answer (a fresh cache salt unless given): text, generated token ids,
+    first-position top logprobs, TTFT and the fact ids the server used, in prompt order. A
+    prefix-hit configuration is sent as text."""
+    mode = "text" if config.mode == "hit" else config.mode
+    got = await stream_chat(client, url, user, question, mode, config.k, max_tokens,
                             options={"recompute": config.recompute, "order": config.order,
                                      "lead": config.lead, **({} if config.key_scales is None else
                                                              {"key_scales": config.key_scales})},
-                            top_logprobs=TOP_LOGPROBS)
+                            top_logprobs=TOP_LOGPROBS, salt=salt)
     return {"prediction": got.text, "token_ids": got.token_ids, "first_top": got.first_top,
             "ttft_s": got.ttft, "fact_ids": got.headers.get("x-inferscale-fact-ids", ""),
             "recompute_auto": got.headers.get("x-inferscale-recompute-auto")}
@@ -211,6 +225,12 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
                     assert oracle is not None  # made where the plan has oracle configurations
                     got = await oracle.answer(client, url, item["question"], config,
                                               answers[config.reference().name], max_tokens)
+                elif config.mode == "hit":  # the prompt once under a salt, then timed again
+                    salt = uuid.uuid4().hex
+                    user = item["users"][config.encoding]
+                    await answer(client, url, user, item["question"], config, 1, salt)
+                    got = await answer(client, url, user, item["question"], config, max_tokens,
+                                       salt)
                 else:
                     got = await answer(client, url, item["users"][config.encoding],
                                        item["question"], config, max_tokens)
@@ -230,22 +250,35 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
 
 
 def summarize(records: list[dict], plan: list[Config]) -> dict:
-    """Per configuration: F1, EM, TTFT; inject configurations also vs their text reference."""
+    """Per configuration: F1, EM, TTFT; inject and prefix-hit configurations also vs their text
+    reference (agreement, the ratio of median TTFTs with its paired bootstrap interval), inject
+    ones also over the prefix hit where the plan has it."""
     by_config = {c.name: [r for r in records if r["config"] == c.name] for c in plan}
+    names = {c.name for c in plan}
     summary: dict[str, dict] = {}
     for config in plan:
         rows = by_config[config.name]
+        ttfts = [r["ttft_s"] for r in rows]
         entry = {"f1": statistics.mean(r["f1"] for r in rows),
                  "em": statistics.mean(r["em"] for r in rows),
-                 "ttft_p50_s": statistics.median(r["ttft_s"] for r in rows)}
-        if config.mode == "inject":
+                 "ttft_p50_s": statistics.median(ttfts)}
+        if config.mode in ("inject", "hit"):
             reference = by_config[config.reference().name]
             entry["vs_text"] = compare(reference, rows)
             entry["same_facts"] = statistics.mean(
                 sorted(r["fact_ids"].split(",")) == sorted(t["fact_ids"].split(","))
                 for r, t in zip(rows, reference, strict=True))
+            text_ttfts = [r["ttft_s"] for r in reference]
             entry["ttft_ratio_text_over_this"] = (
                 summary[config.reference().name]["ttft_p50_s"] / entry["ttft_p50_s"])
+            entry["ttft_ratio_text_over_this_ci95"] = list(
+                bootstrap_median_ratio_ci(text_ttfts, ttfts))
+        hit = config.prefix_hit().name
+        if config.mode == "inject" and hit in names:
+            hit_ttfts = [r["ttft_s"] for r in by_config[hit]]
+            entry["ttft_ratio_this_over_hit"] = entry["ttft_p50_s"] / summary[hit]["ttft_p50_s"]
+            entry["ttft_ratio_this_over_hit_ci95"] = list(
+                bootstrap_median_ratio_ci(ttfts, hit_ttfts))
         if config.recompute == "auto":
             entry["auto"] = auto_costs([r.get("recompute_auto") for r in rows],
                                        [r["ttft_s"] for r in rows])
@@ -258,12 +291,13 @@ def _print(summary: dict) -> None:
     for name, s in summary.items():
         v = s.get("vs_text")
         rows.append([name, s["f1"] * 100, s["ttft_p50_s"] * 1000,
+                     s.get("ttft_ratio_this_over_hit", ""),
                      *([s["ttft_ratio_text_over_this"], v["first_token"], v["first_4"],
                         v["whole_answer"], v["first_token_kl"], v["f1_gap"] * 100,
                         "{:+.1f} .. {:+.1f}".format(*(x * 100 for x in v["f1_gap_ci95"]))]
                        if v else [""] * 7)])
-    print_table(["config", "F1", "TTFT p50 ms", "text/this TTFT", "first token", "first 4",
-                 "whole answer", "KL first token", "F1 gap", "gap 95% CI"], rows)
+    print_table(["config", "F1", "TTFT p50 ms", "this/hit TTFT", "text/this TTFT", "first token",
+                 "first 4", "whole answer", "KL first token", "F1 gap", "gap 95% CI"], rows)
 
 
 def pick_questions(samples: list[dict], questions: int, seed: int) -> list[dict]:
@@ -278,7 +312,7 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int,
         contexts: tuple[str, ...] = ("turns",), recomputes: tuple[int | str, ...] = (0,),
         order: str = "relevance", oracle: bool = False, leads: tuple[bool, ...] = (True,),
         max_tokens: int = 32, max_turns: int | None = None, seed: int = 0,
-        key_scales: tuple[float | None, ...] = (None,)) -> dict:
+        key_scales: tuple[float | None, ...] = (None,), prefix_hit: bool = False) -> dict:
     """Ingest the given conversations (indices into ``data``), serve, answer and score; prints a
     table and writes JSON (every answer is also appended to ``eval-fidelity.jsonl`` as it comes,
     so a run cut short keeps what it measured)."""
@@ -295,7 +329,8 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int,
     items = [{**q, "users": {Config("none").encoding: users[encodings[0]][q["sample_id"]],
                              **{e: users[e][q["sample_id"]] for e in encodings}}}
              for q in pick_questions(samples, questions, seed)]
-    plan = configs(list(ks), encodings, list(recomputes), order, oracle, leads, key_scales)
+    plan = configs(list(ks), encodings, list(recomputes), order, oracle, leads, key_scales,
+                   prefix_hit)
     with server_process(settings, out_dir / "server.log") as url:
         records = asyncio.run(_ask_all(url, items, plan, max_tokens, settings,
                                        out_dir / "eval-fidelity.jsonl"))
@@ -315,7 +350,7 @@ def run(settings: Settings, data: Path, out_dir: Path, conversations: tuple[int,
               "data": str(data), "conversations": list(conversations), "questions": len(items),
               "ks": list(ks), "windows": list(windows),
               "contexts": list(contexts), "recomputes": list(recomputes), "order": order,
-              "leads": list(leads), "key_scales": list(key_scales),
+              "leads": list(leads), "key_scales": list(key_scales), "prefix_hit": prefix_hit,
               "key_scales_setting": settings.key_scales,
               "key_scale_strength_setting": settings.key_scale_strength,
               "max_tokens": max_tokens,

@@ -58,6 +58,22 @@ def bootstrap_mean_ci(values: Sequence[float], resamples: int = 2000, level: flo
     return float(low), float(high)
 
 
+def bootstrap_median_ratio_ci(numerators: Sequence[float], denominators: Sequence[float],
+                              resamples: int = 2000, level: float = 0.95,
+                              seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of median(numerators) / median(denominators), resampling
+    the pairs together (two timings of the same questions)."""
+    top, bottom = np.asarray(numerators, dtype=float), np.asarray(denominators, dtype=float)
+    if top.size != bottom.size or top.size == 0:
+        raise ValueError("a median ratio needs the same non-empty questions on both sides")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, top.size, size=(resamples, top.size))
+    ratios = np.median(top[picks], axis=1) / np.median(bottom[picks], axis=1)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval (95% by default) of a rate of ``successes`` in ``n`` trials."""
     if n <= 0 or not 0 <= successes <= n:

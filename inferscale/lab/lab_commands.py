@@ -116,7 +116,7 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
                  order=args.order, oracle=args.oracle,
                  leads=tuple(choice == "on" for choice in args.lead),
                  max_tokens=args.max_tokens, max_turns=args.max_turns, seed=args.seed,
-                 key_scales=tuple(args.key_scales))
+                 key_scales=tuple(args.key_scales), prefix_hit=args.prefix_hit)
     return 0
 
 
@@ -236,6 +236,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fact order in the prompt (text and inject alike)")
     p.add_argument("--oracle", action="store_true",
                    help="also inject KV encoded with exactly its serving prefix (numerics only)")
+    p.add_argument("--prefix-hit", action="store_true",
+                   help="fidelity: also answer each text prompt again from vLLM's prefix cache "
+                        "(TTFT of a hit; agreement of that second exact path)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-turns", type=int, help="ingest only each conversation's first N turns")
     p.add_argument("--seed", type=int, default=0)

@@ -112,7 +112,38 @@ def test_plan_and_summary():
     inject = summary[Config("inject", 5, 5, 0).name]
     assert inject["vs_text"]["first_token"] == 1 and inject["vs_text"]["whole_answer"] == 0
     assert inject["ttft_ratio_text_over_this"] == pytest.approx(4.0)
-    assert inject["same_facts"] == 1
+    assert inject["ttft_ratio_text_over_this_ci95"] == pytest.approx([4.0, 4.0])
+    assert inject["same_facts"] == 1 and "ttft_ratio_this_over_hit" not in inject
+
+
+def test_prefix_hit_is_planned_after_its_text_and_divides_inject():
+    plan = configs([0, 5], [("turns", 5)], [0], prefix_hit=True)
+    assert [c.name for c in plan] == ["none", "text k=0 (user w=5)", "inject k=0 w=5 m=0",
+                                      "text k=5 (user w=5)", "prefix hit k=5 (user w=5)",
+                                      "inject k=5 w=5 m=0"]
+    hit, inject = plan[4], plan[5]
+    assert hit.reference() == plan[3] and inject.prefix_hit() == hit
+    records = []
+    for q in range(4):  # text 1.0 s, hit 0.1 s, inject 0.2 s; the hit flips question 0
+        for config, ttft, ids in ((plan[3], 1.0, [7]), (hit, 0.1, [8] if q == 0 else [7]),
+                                  (inject, 0.2, [7])):
+            records.append({"config": config.name, "f1": 0.5, "em": False, "token_ids": ids,
+                            "first_top": {7: -0.1}, "ttft_s": ttft + q / 100, "fact_ids": "1"})
+    summary = summarize(records, plan[3:])
+    assert summary[hit.name]["vs_text"]["first_token"] == pytest.approx(0.75)
+    got = summary[inject.name]
+    assert got["ttft_ratio_this_over_hit"] == pytest.approx(0.215 / 0.115)
+    low, high = got["ttft_ratio_this_over_hit_ci95"]
+    assert low <= got["ttft_ratio_this_over_hit"] <= high and high < 2.1
+
+
+def test_median_ratio_interval_refuses_unpaired_timings():
+    from inferscale.lab.fidelity import bootstrap_median_ratio_ci
+
+    with pytest.raises(ValueError):
+        bootstrap_median_ratio_ci([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        bootstrap_median_ratio_ci([], [])
 
 
 @pytest.mark.parametrize("conversations", [(), (2,), (-1,), (0, 0)])
