@@ -39,7 +39,7 @@ from inferscale.lab.bench.common import (
     settings_differing,
     write_report,
 )
-from inferscale.lab.fidelity import bootstrap_median_ratio_ci, compare
+from inferscale.lab.fidelity import bootstrap_median_ratio_ci, compare, exact_path_agreement
 from inferscale.lab.scoring import exact_match, locomo_f1
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import locomo_turns
@@ -252,7 +252,8 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
 def summarize(records: list[dict], plan: list[Config]) -> dict:
     """Per configuration: F1, EM, TTFT; inject and prefix-hit configurations also vs their text
     reference (agreement, the ratio of median TTFTs with its paired bootstrap interval), inject
-    ones also over the prefix hit where the plan has it."""
+    ones also over the prefix hit where the plan has it, and their first token against either
+    exact answer (text prefill's or the prefix hit's)."""
     by_config = {c.name: [r for r in records if r["config"] == c.name] for c in plan}
     names = {c.name for c in plan}
     summary: dict[str, dict] = {}
@@ -279,6 +280,8 @@ def summarize(records: list[dict], plan: list[Config]) -> dict:
             entry["ttft_ratio_this_over_hit"] = entry["ttft_p50_s"] / summary[hit]["ttft_p50_s"]
             entry["ttft_ratio_this_over_hit_ci95"] = list(
                 bootstrap_median_ratio_ci(ttfts, hit_ttfts))
+            entry["vs_exact"] = exact_path_agreement(by_config[config.reference().name],
+                                                     by_config[hit], rows)
         if config.recompute == "auto":
             entry["auto"] = auto_costs([r.get("recompute_auto") for r in rows],
                                        [r["ttft_s"] for r in rows])

@@ -84,6 +84,23 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def exact_path_agreement(text: Sequence[dict], hit: Sequence[dict],
+                         candidate: Sequence[dict]) -> dict:
+    """First-token agreement of ``candidate`` with either of two exact answers to each question
+    (text prefill, and a prefix-cache hit of the same prompt: both exact serving, which differ
+    where bf16 rounding flips a near-tie), with its Wilson interval; and how often the two exact
+    answers themselves differ."""
+    if not len(text) == len(hit) == len(candidate) or not text:
+        raise ValueError("exact-path agreement needs the same non-empty question list on all sides")
+    rows = list(zip(text, hit, candidate, strict=True))
+    either = sum(same_prefix(t["token_ids"], c["token_ids"], 1)
+                 or same_prefix(h["token_ids"], c["token_ids"], 1) for t, h, c in rows)
+    split = sum(not same_prefix(t["token_ids"], h["token_ids"], 1) for t, h, _ in rows)
+    return {"questions": len(rows), "first_token_either": either / len(rows),
+            "first_token_either_ci95": list(wilson_interval(either, len(rows))),
+            "exact_paths_differ": split / len(rows)}
+
+
 def compare(reference: Sequence[dict], candidate: Sequence[dict], first_n: int = 4) -> dict:
     """Agreement of ``candidate`` answers with ``reference`` answers to the same questions.
 

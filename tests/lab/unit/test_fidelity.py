@@ -135,6 +135,23 @@ def test_prefix_hit_is_planned_after_its_text_and_divides_inject():
     assert got["ttft_ratio_this_over_hit"] == pytest.approx(0.215 / 0.115)
     low, high = got["ttft_ratio_this_over_hit_ci95"]
     assert low <= got["ttft_ratio_this_over_hit"] <= high and high < 2.1
+    assert got["vs_exact"]["exact_paths_differ"] == pytest.approx(0.25)
+
+
+def test_exact_path_agreement_counts_either_exact_answer():
+    from inferscale.lab.fidelity import exact_path_agreement
+
+    def answers(*firsts: int) -> list[dict]:
+        return [{"token_ids": [f, 1]} for f in firsts]
+
+    text, hit = answers(1, 2, 3, 4), answers(1, 5, 3, 6)
+    got = exact_path_agreement(text, hit, answers(1, 5, 7, 4))  # text, hit, neither, text
+    assert got["first_token_either"] == pytest.approx(0.75)
+    assert got["exact_paths_differ"] == pytest.approx(0.5)
+    low, high = got["first_token_either_ci95"]
+    assert low < 0.75 < high
+    with pytest.raises(ValueError):
+        exact_path_agreement(text, hit[:3], answers(1, 2, 3, 4))
 
 
 def test_median_ratio_interval_refuses_unpaired_timings():
