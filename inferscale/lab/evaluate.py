@@ -269,19 +269,17 @@ def summarize(records: list[dict], plan: list[Config]) -> dict:
             entry["same_facts"] = statistics.mean(
                 sorted(r["fact_ids"].split(",")) == sorted(t["fact_ids"].split(","))
                 for r, t in zip(rows, reference, strict=True))
-            text_ttfts = [r["ttft_s"] for r in reference]
             entry["ttft_ratio_text_over_this"] = (
                 summary[config.reference().name]["ttft_p50_s"] / entry["ttft_p50_s"])
             entry["ttft_ratio_text_over_this_ci95"] = list(
-                bootstrap_median_ratio_ci(text_ttfts, ttfts))
+                bootstrap_median_ratio_ci([r["ttft_s"] for r in reference], ttfts))
         hit = config.prefix_hit().name
         if config.mode == "inject" and hit in names:
             hit_ttfts = [r["ttft_s"] for r in by_config[hit]]
             entry["ttft_ratio_this_over_hit"] = entry["ttft_p50_s"] / summary[hit]["ttft_p50_s"]
             entry["ttft_ratio_this_over_hit_ci95"] = list(
                 bootstrap_median_ratio_ci(ttfts, hit_ttfts))
-            entry["vs_exact"] = exact_path_agreement(by_config[config.reference().name],
-                                                     by_config[hit], rows)
+            entry["vs_exact"] = exact_path_agreement(reference, by_config[hit], rows)
         if config.recompute == "auto":
             entry["auto"] = auto_costs([r.get("recompute_auto") for r in rows],
                                        [r["ttft_s"] for r in rows])

@@ -53,8 +53,13 @@ def bootstrap_mean_ci(values: Sequence[float], resamples: int = 2000, level: flo
         return (math.nan, math.nan)
     rng = np.random.default_rng(seed)
     means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    return _percentile_interval(means, level)
+
+
+def _percentile_interval(resampled: np.ndarray, level: float) -> tuple[float, float]:
+    """The central ``level`` interval of bootstrap resamples' statistics."""
     tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
+    low, high = np.percentile(resampled, [tail, 100 - tail])
     return float(low), float(high)
 
 
@@ -69,9 +74,7 @@ def bootstrap_median_ratio_ci(numerators: Sequence[float], denominators: Sequenc
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, top.size, size=(resamples, top.size))
     ratios = np.median(top[picks], axis=1) / np.median(bottom[picks], axis=1)
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(ratios, [tail, 100 - tail])
-    return float(low), float(high)
+    return _percentile_interval(ratios, level)
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -87,8 +90,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 def exact_path_agreement(text: Sequence[dict], hit: Sequence[dict],
                          candidate: Sequence[dict]) -> dict:
     """First-token agreement of ``candidate`` with either of two exact answers to each question
-    (text prefill, and a prefix-cache hit of the same prompt: both exact serving, which differ
-    where bf16 rounding flips a near-tie), with its Wilson interval; and how often the two exact
+    (text prefill, and a prefix-cache hit of the same prompt: both exact serving, which can
+    differ on a near-tie), with its Wilson interval; and how often the two exact
     answers themselves differ."""
     if not len(text) == len(hit) == len(candidate) or not text:
         raise ValueError("exact-path agreement needs the same non-empty question list on all sides")
