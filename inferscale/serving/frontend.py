@@ -7,8 +7,10 @@ rewritten before vLLM sees it: checked (``guards.py``), its memory options read
 sent as token ids, with a signed injection plan for the encoded facts (``kv_transfer_params``)
 and a ``cache_salt`` (``cache_salt.py``: what of vLLM's prefix cache it may reuse). Requests
 without an owner pass through untouched (client ``kv_transfer_params`` refused on every route).
-Every request, of any route, first passes the browser rules (``browser_guard.py``); memory
-requests and engine-control routes are admitted by ``access.py``. At start-up it adds the memory
+Every request, of any route, first passes the browser rules (``browser_guard.py``) and its
+route's admission (``route_policy.py``: an allow-list by name; any other route needs an admin
+key); memory requests are admitted by ``access.py``; every body, of any method, is capped
+before it is parsed. At start-up it adds the memory
 API's routes (``memory_api.py``, and Mem0's: ``mem0_api.py``) to vLLM's app, served by
 ``memory_service.py``; its ASGI plumbing is ``asgi.py``.
 """
@@ -18,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
+from starlette._utils import get_route_path
+
 from inferscale.contracts.plan import PLAN_KEY, sign
+from inferscale.core.local_key import is_loopback_host
 from inferscale.core.settings import Settings, get_settings
 from inferscale.kv.kv_metrics import KV_METRICS
 from inferscale.serving.asgi import (
@@ -44,7 +48,7 @@ from inferscale.serving.auto_recompute import (
     client_top_logprobs,
     one_token,
 )
-from inferscale.serving.browser_guard import check_request
+from inferscale.serving.browser_guard import BODY_METHODS, check_request
 from inferscale.serving.cache_salt import CacheSalts
 from inferscale.serving.compose import MemoryRuntime, chat_messages, compose
 from inferscale.serving.guards import (
@@ -54,7 +58,7 @@ from inferscale.serving.guards import (
     refuse_reserved_form_fields,
 )
 from inferscale.serving.mem0_api import token_as_bearer
-from inferscale.serving.memory_api import serve_memory
+from inferscale.serving.memory_api import memory_endpoints, serve_memory
 from inferscale.serving.memory_ops import named_scope
 from inferscale.serving.memory_service import EngineMemory
 from inferscale.serving.metrics import FRONTEND_METRICS as M
@@ -63,18 +67,11 @@ from inferscale.serving.request_options import (
     owner_and_options,
     refuse_memory_elsewhere,
 )
+from inferscale.serving.route_policy import Kind, RoutePolicy
 
 log = logging.getLogger("inferscale.serving.frontend")
 
 CHAT_PATH = "/v1/chat/completions"
-# vLLM's engine-control routes (scaling, sleep, cache resets, RPC, profiling, adapters):
-# admin keys only (or anonymous where anonymous access is the chosen policy).
-CONTROL_PATHS = frozenset({
-    "/scale_elastic_ep", "/is_scaling_elastic_ep", "/collective_rpc", "/sleep", "/wake_up",
-    "/release_kv_cache_memory", "/reset_prefix_cache", "/reset_mm_cache",
-    "/reset_encoder_cache", "/start_profile", "/stop_profile", "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter", "/fault_tolerance/apply"})
-BODY_METHODS = ("POST", "PUT", "PATCH")
 PARSE_IN_THREAD_BYTES = 64 * 1024
 # Under recompute auto, the header with the margin of the attempt each outcome follows.
 MARGIN_HEADERS = ("x-inferscale-first-margin", "x-inferscale-tail-margin")
@@ -89,41 +86,58 @@ class MemoryFrontend:
         self.memory = EngineMemory(self.settings)
         self.access = self.memory.access
         self.salts = CacheSalts(self.settings.plan_secret or "")
-        # vLLM adds --middleware outside its own --api-key check; run that check first here.
-        tokens = [t for t in (self.settings.vllm_api_keys or [os.environ.get("VLLM_API_KEY", "")])
-                  if t]
+        self._routes: RoutePolicy | None = None  # built at the first request (routes added)
+        # vLLM's own --api-key check is ours (``serve.py`` keeps it from vLLM's command line, so
+        # that memory keys are not refused by it): it runs before any memory work, and admits
+        # vLLM's keys and the memory keys alike.
         self._bound = False
         self._authenticated = self._handle
-        if tokens:
+        if self.settings.vllm_api_keys:
             from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
-            self._authenticated = AuthenticationMiddleware(self._handle, tokens=tokens)
+            self._authenticated = AuthenticationMiddleware(
+                self._handle, tokens=[*self.settings.vllm_api_keys, *self.settings.api_keys])
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan" and not self._bound:
             self._bound = True
             serve_memory(scope["app"], self.memory)
             self.memory.bind(scope["app"])
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
         scope = token_as_bearer(scope)
-        if scope["type"] in ("http", "websocket"):
-            try:
-                check_request(self.settings, scope.get("method", "GET"), scope["path"],
-                              request_headers(scope))
-            except FrontendError as exc:
-                if scope["type"] == "websocket":  # closed before accepting: HTTP 403
-                    return await send({"type": "websocket.close", "code": 1008})
-                return await send_error(send, exc.status, exc.message)
-        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+        if self._routes is None:
+            self._routes = RoutePolicy(scope["app"].routes, memory_endpoints())
+        kind = self._routes.kind(scope)
+        try:
+            check_request(self.settings, scope.get("method", "GET"), get_route_path(scope),
+                          request_headers(scope))
+            self._admit_route(kind, scope)
+        except FrontendError as exc:
+            if scope["type"] == "websocket":  # closed before accepting: HTTP 403
+                return await send({"type": "websocket.close", "code": 1008})
+            return await send_error(send, exc.status, exc.message, exc.headers)
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         await self._authenticated(scope, receive, send)
+
+    def _admit_route(self, kind: Kind | None, scope) -> None:
+        """The route's own admission, before any body is read: admin routes need an admin key,
+        /metrics what ``metrics_access`` says, a body sent to a memory route a known key."""
+        headers, client = request_headers(scope), client_address(scope)
+        if kind == "admin" or (kind == "metrics" and self.settings.metrics_access != "any"
+                               and not (self.settings.metrics_access == "loopback"
+                                        and is_loopback_host(client or ""))):
+            self.access.authorize_control(headers, client)
+        elif kind == "memory" and scope.get("method") in BODY_METHODS:
+            self.access.caller(headers, client)
 
     async def _handle(self, scope, receive, send):
         headers = request_headers(scope)
         try:
-            if scope["path"] in CONTROL_PATHS:
-                self.access.authorize_control(headers, client_address(scope))
             body = await read_body(receive, headers, self.settings.max_body_bytes)
-            rewritten = await self._rewrite(scope["path"], body, headers, client_address(scope))
+            rewritten = await self._rewrite(get_route_path(scope), body, headers,
+                                            client_address(scope))
         except FrontendError as exc:
             return await send_error(send, exc.status, exc.message, exc.headers)
         except Exception as exc:  # noqa: BLE001 - e.g. the database is down: say so, live on

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Final, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette._utils import get_route_path
 
 from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.filters import EVERYTHING, Node, pinned
@@ -487,7 +488,7 @@ def token_as_bearer(scope: dict[str, Any]) -> dict[str, Any]:
     """An ASGI scope in which, on Mem0's paths only, ``Authorization: Token <key>`` (the
     ``mem0ai`` client's scheme) reads ``Bearer <key>``: the same keys, checked by the same code
     (``access.py``, and vLLM's own ``--api-key`` check); elsewhere the scope unchanged."""
-    if scope.get("type") != "http" or not scope["path"].startswith(MEM0_PREFIXES):
+    if scope.get("type") != "http" or not get_route_path(scope).startswith(MEM0_PREFIXES):
         return scope
     headers = [(name, b"Bearer " + value[6:]
                 if name.lower() == b"authorization" and value[:6].lower() == b"token " else value)

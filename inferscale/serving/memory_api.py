@@ -401,6 +401,12 @@ async def forget_in_body(body: ForgetBody, service: Service, caller: Admission
     return await service.forget(body.user)
 
 
+def memory_endpoints() -> list[object]:
+    """The functions behind the memory API's routes, both dialects (``route_policy.py``)."""
+    return [getattr(route, "endpoint", None) for route in (*router.routes,
+                                                            *mem0_api.router.routes)]
+
+
 def serve_memory(app: FastAPI, service: ops.MemoryService) -> None:
     """Serve the memory API (both dialects) on ``app`` with ``service``."""
     setattr(app.state, ops.STATE_KEY, service)

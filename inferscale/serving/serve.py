@@ -57,16 +57,31 @@ def api_keys_in(vllm_args: list[str]) -> list[str]:
     return keys
 
 
+def without_api_keys(vllm_args: list[str]) -> list[str]:
+    """A vLLM command line less its ``--api-key`` values (the front end checks them)."""
+    kept, taking = [], False
+    for arg in vllm_args:
+        if arg.startswith("--api-key="):
+            taking = False
+        elif arg == "--api-key":
+            taking = True
+        elif not (taking and not arg.startswith("-")):
+            taking = False
+            kept.append(arg)
+    return kept
+
+
 def memory_keys(settings: Settings, vllm_keys: list[str]) -> dict[str, KeyGrant]:
-    """The API keys the server accepts: the configured ones; else vLLM's own ``--api-key``
-    values, as admin keys (both are bearer keys: a request carries one); else, unless anonymous
-    memory was chosen, the local admin key (made on first use; ``core/local_key.py``). Says
-    at start which policy runs (never the key itself, except once, where it was just made, as
-    the link of the memory inspector on the terminal that started the server)."""
+    """The API keys memory accepts: the configured ones; else, where the operator chose it
+    (``vllm_keys_for_memory``), vLLM's own ``--api-key`` values as admin keys; else, unless
+    anonymous memory was chosen, the local admin key (made on first use;
+    ``core/local_key.py``). A generation client's vLLM key reads no memory by default. Says at
+    start which policy runs (never the key itself, except once, where it was just made, as the
+    link of the memory inspector on the terminal that started the server)."""
     if settings.api_keys:
         log.info("memory: %d API keys configured", len(settings.api_keys))
         return settings.api_keys
-    if vllm_keys:
+    if vllm_keys and settings.vllm_keys_for_memory:
         log.info("memory: vLLM's --api-key values are the admin keys (no INFERSCALE_API_KEYS)")
         return {key: KeyGrant(owners=["*"]) for key in vllm_keys}
     if settings.allow_anonymous:
@@ -97,12 +112,13 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
     extra_args = list(extra_args or [])
+    vllm_keys = [key for key in settings.vllm_api_keys or api_keys_in(extra_args)
+                 or [os.environ.get("VLLM_API_KEY", "")] if key]
+    extra_args = without_api_keys(extra_args)
     try:
         bootstrap = resolve_kafka_bootstrap(settings)
     except InfraError:
         bootstrap = None  # serving works without a broker; invalidations then stay local
-    vllm_keys = [key for key in settings.vllm_api_keys or api_keys_in(extra_args)
-                 or [os.environ.get("VLLM_API_KEY", "")] if key]
     child = settings.model_copy(update={
         "kafka_bootstrap": bootstrap,
         "database_url": resolve_database_url(settings), "model_path": model_path,
@@ -117,6 +133,7 @@ def server_command(settings: Settings, extra_args: list[str] | None = None
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
         "HF_HUB_OFFLINE": "1",
     }
+    env.pop("VLLM_API_KEY", None)  # checked by the front end (``vllm_api_keys``), not by vLLM
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path), "--served-model-name", "inferscale",

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
 
 from inferscale.core.settings import Settings
 from inferscale.serving.frontend import MemoryFrontend
@@ -23,8 +25,16 @@ async def _downstream(scope, receive, send):
     await send({"type": "http.response.body", "body": message["body"]})
 
 
+# vLLM's app as the route policy reads it: a few of its routes, by name
+VLLM_ROUTES = Starlette(routes=[
+    Route(path, _downstream, methods=["POST"]) for path in (
+        "/v1/chat/completions", "/v1/completions", "/scale_elastic_ep", "/sleep",
+        "/collective_rpc", "/v1/load_lora_adapter", "/pause", "/invocations", "/adapters",
+        "/update_weights", "/v1/future_route_of_vllm")])
+
+
 async def _call(frontend, body: dict, headers: dict[str, str],
-                path: str = "/v1/chat/completions") -> tuple[int, dict]:
+                path: str = "/v1/chat/completions", root_path: str = "") -> tuple[int, dict]:
     sent = []
     raw = json.dumps(body).encode()
 
@@ -34,7 +44,8 @@ async def _call(frontend, body: dict, headers: dict[str, str],
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path,
+    scope = {"type": "http", "method": "POST", "path": root_path + path, "root_path": root_path,
+             "app": VLLM_ROUTES,
              "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
     await frontend(scope, receive, send)
     return sent[0]["status"], json.loads(sent[1]["body"])
@@ -80,13 +91,23 @@ async def test_anonymous_memory_is_an_explicit_choice(settings, status):
         assert code == 503  # got past the key check into the memory machinery (no model)
 
 
-async def test_vllm_api_key_is_checked_before_any_memory_work(monkeypatch):
-    monkeypatch.setenv("VLLM_API_KEY", "vllm-secret")
-    app = MemoryFrontend(_downstream, _settings(allow_anonymous=True))
+async def test_vllm_api_key_is_checked_before_any_memory_work():
+    app = MemoryFrontend(_downstream, _settings(allow_anonymous=True,
+                                                vllm_api_keys=["vllm-secret"]))
     code, _ = await _call(app, {**CHAT, "user": "alice"}, {})
     assert code == 401
     code, body = await _call(app, CHAT, {"authorization": "Bearer vllm-secret"})
     assert code == 200 and body == CHAT
+
+
+async def test_memory_keys_pass_vllms_key_check_and_generation_keys_read_no_memory():
+    app = MemoryFrontend(_downstream, _settings(api_keys={"memory-key": ["alice"]},
+                                                vllm_api_keys=["vllm-secret"]))
+    code, body = await _call(app, CHAT, {"authorization": "Bearer memory-key"})
+    assert code == 200 and body == CHAT
+    code, answer = await _call(app, {**CHAT, "user": "alice"},
+                               {"authorization": "Bearer vllm-secret"})
+    assert code == 401, answer
 
 
 async def test_refused_kv_transfer_params_anywhere(frontend):
@@ -111,10 +132,22 @@ async def test_refused_kv_transfer_params_anywhere(frontend):
     (_settings(allow_anonymous=True), {}, 200),  # the anonymous policy applies here too
 ])
 async def test_engine_control_routes_need_an_admin_key(settings, headers, status):
+    """Every route not named public or memory: vLLM's control, dev-mode and adapter routes,
+    /invocations and any route a future vLLM adds; under a --root-path too."""
     app = MemoryFrontend(_downstream, settings)
     body = {"new_data_parallel_size": 2}
-    for path in ("/scale_elastic_ep", "/sleep", "/collective_rpc", "/v1/load_lora_adapter"):
-        code, answer = await _call(app, body, headers, path=path)
-        assert code == status, (path, answer)
-        if status != 200:
-            assert answer["error"]["type"] in ("authentication_error", "permission_error")
+    for path in ("/scale_elastic_ep", "/sleep", "/collective_rpc", "/v1/load_lora_adapter",
+                 "/pause", "/invocations", "/adapters", "/update_weights",
+                 "/v1/future_route_of_vllm"):
+        for root_path in ("", "/api"):
+            code, answer = await _call(app, body, headers, path=path, root_path=root_path)
+            assert code == status, (root_path, path, answer)
+            if status != 200:
+                assert answer["error"]["type"] in ("authentication_error", "permission_error")
+
+
+async def test_generation_routes_stay_open_under_a_root_path(frontend):
+    code, body = await _call(frontend, CHAT, {}, root_path="/api")
+    assert code == 200 and body == CHAT
+    code, _ = await _call(frontend, {**CHAT, "user": "alice"}, {}, root_path="/api")
+    assert code == 401  # memory is still memory there
