@@ -364,8 +364,28 @@ class Settings(BaseSettings):
         "Requests per API key (admin keys aside; per client address when anonymous) on the "
         "memory API and on chat requests that name an owner, in the `limits` package's notation "
         "(None: no limit); over it: 429 with Retry-After."))
+    rate_limit_storage: str = Field(default="memory://", description=(
+        "Where the rate limit counts, as a `limits` storage URI: memory:// counts per server "
+        "process; replicas behind one router share a store (redis://host:6379, with the redis "
+        "package installed) so that a key's limit holds across them."))
+    max_waits_per_key: int = Field(default=4, gt=0, description=(
+        "Event reads with ?wait (each holds a database connection while it waits) one key may "
+        "have open at once; more: 429."))
+    filter_inline_cost: int = Field(default=20_000, ge=0, description=(
+        "A filtered search over an owner whose conditions x facts exceed this is ranked by "
+        "Postgres (off the server's event loop) instead of the in-process index."))
+    filter_max_cost: int = Field(default=64 * 100_000, gt=0, description=(
+        "A filtered search, listing or delete whose conditions x the owner's facts exceed this "
+        "is refused (413): narrow it with a scope or fewer conditions."))
+    metrics_access: Literal["loopback", "admin", "any"] = Field(default="loopback", description=(
+        "Who may read the server's /metrics (counters, no memory content): loopback clients "
+        "without a key and admin keys from anywhere; admin keys only; anyone."))
     vllm_api_keys: list[str] = Field(default_factory=list, repr=False, description=(
-        "vLLM's own --api-key values"))
+        "vLLM's own --api-key values: they admit generation requests; memory keys do too."))
+    vllm_keys_for_memory: bool = Field(default=False, description=(
+        "Make vLLM's --api-key values memory admin keys where INFERSCALE_API_KEYS is unset "
+        "(off: memory then needs the local admin key, and a generation client's key reads no "
+        "memory)."))
     max_body_bytes: int = Field(default=8 * 1024**2, gt=0, description="larger request bodies: 413")
     plan_secret: str | None = Field(default=None, repr=False, description=(
         "Signs injection plans and keys each owner's prefix-cache salt, so no client can compute "
