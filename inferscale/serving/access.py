@@ -9,6 +9,10 @@ anonymous access (``INFERSCALE_ALLOW_ANONYMOUS``); ``inferscale serve`` otherwis
 admin key (``core/local_key.py``), so a server never runs open by accident. Keys are
 compared in constant time and never logged; the limiter is keyed by a digest of the key (admin
 keys, the operator's and the local one, are not limited; anonymous callers are, per address).
+Every memory route counts against it, weighted by its cost (an import counts its records);
+lookups of ids that are not the caller's count on a limit of their own, and reads that wait
+hold at most ``max_waits_per_key`` connections per key. The counts live in
+``rate_limit_storage`` (one process's memory, or a store replicas share).
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import hashlib
 import hmac
 import math
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from limits import RateLimitItem, parse_many
-from limits.storage import MemoryStorage
+from limits.storage import storage_from_string
 from limits.strategies import MovingWindowRateLimiter
 
 from inferscale.contracts.scope import ANY, Scope
@@ -51,7 +58,8 @@ class Access:
         self._keys = [(key.encode(), grant) for key, grant in settings.api_keys.items()]
         self._limits: list[RateLimitItem] = (parse_many(settings.rate_limit)
                                              if settings.rate_limit else [])
-        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        self._limiter = MovingWindowRateLimiter(storage_from_string(settings.rate_limit_storage))
+        self._waiting: Counter[str] = Counter()
 
     def caller(self, headers: dict[str, str], client: str | None) -> tuple[KeyGrant, str]:
         """The grant of the request's key and who it counts against in the rate limit; 401
@@ -68,11 +76,19 @@ class Access:
             raise FrontendError(401, "missing or unknown API key")
         return found[0], "key:" + hashlib.sha256(given).hexdigest()[:32]
 
+    def known(self, headers: dict[str, str], client: str | None, cost: int = 1) -> KeyGrant:
+        """The grant of a known key, counted in the rate limit (``cost`` requests' worth);
+        401 / 429 otherwise."""
+        grant, who = self.caller(headers, client)
+        self._count(grant, who, cost)
+        return grant
+
     def authorize(self, headers: dict[str, str], owner: str, *, scope: Scope | None = ANY,
-                  write: bool = False, client: str | None = None) -> KeyGrant:
+                  write: bool = False, client: str | None = None, cost: int = 1) -> KeyGrant:
         """Admit a request acting for ``owner`` in ``scope`` (None: the caller checks the
-        scope of what it touches with ``holds``), a write where ``write``: 401 / 403 with the
-        reason, 429 over the rate limit; returns the key's grant."""
+        scope of what it touches with ``holds``), a write where ``write``, worth ``cost``
+        requests of the rate limit (an import counts its records): 401 / 403 with the reason,
+        429 over the rate limit; returns the key's grant."""
         grant, who = self.caller(headers, client)
         if owner not in grant.owners and "*" not in grant.owners:
             raise FrontendError(403, f"this API key may not act for {owner!r}")
@@ -81,9 +97,31 @@ class Access:
         if scope is not None and not holds(grant, scope):
             raise FrontendError(403, f"this API key acts only for agents {grant.agents} / "
                                      f"runs {grant.runs} (None: any): name one of them")
-        if not (grant.admin and who.startswith("key:")):  # an operator's own key: no limit
-            self._count(who)
+        self._count(grant, who, cost)
         return grant
+
+    def missed(self, headers: dict[str, str], client: str | None) -> None:
+        """A lookup of an id that is not the caller's (answered 404): counted on a limit of
+        its own, so that ids cannot be probed at the full rate; 429 past it."""
+        grant, who = self.caller(headers, client)
+        self._count(grant, who, 1, "missed")
+
+    @contextmanager
+    def waiting(self, headers: dict[str, str], client: str | None) -> Iterator[None]:
+        """A request that holds a connection while it waits: at most ``max_waits_per_key``
+        at once per caller (admin keys aside); 429 past it."""
+        grant, who = self.caller(headers, client)
+        exempt = grant.admin and who.startswith("key:")
+        if not exempt and self._waiting[who] >= self.settings.max_waits_per_key:
+            raise FrontendError(429, f"at most {self.settings.max_waits_per_key} waiting reads "
+                                     "at once per key", {"retry-after": "1"})
+        self._waiting[who] += 1
+        try:
+            yield
+        finally:
+            self._waiting[who] -= 1
+            if not self._waiting[who]:
+                del self._waiting[who]
 
     def authorize_control(self, headers: dict[str, str], client: str | None = None) -> None:
         """Engine-control routes and operator-only memory routes: admin keys only (anyone
@@ -93,10 +131,12 @@ class Access:
             raise FrontendError(403, "this route needs an admin key (any owner, every scope, "
                                      "edits)")
 
-    def _count(self, who: str) -> None:
+    def _count(self, grant: KeyGrant, who: str, cost: int, what: str = "memory") -> None:
+        if grant.admin and who.startswith("key:"):  # an operator's own key: no limit
+            return
         for limit in self._limits:
-            if not self._limiter.hit(limit, "memory", who):
-                reset = self._limiter.get_window_stats(limit, "memory", who).reset_time
+            if not self._limiter.hit(limit, what, who, cost=max(1, cost)):
+                reset = self._limiter.get_window_stats(limit, what, who).reset_time
                 retry = max(1, math.ceil(reset - time.time()))
                 raise FrontendError(429, f"rate limit {limit} exceeded for this key",
                                     {"retry-after": str(retry)})

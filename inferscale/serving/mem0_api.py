@@ -275,12 +275,14 @@ async def _fact(service: Service, caller: Admission, memory_id: str, write: bool
     found = await ops.in_transaction(
         service, lambda conn, _: memory_edits.fact_owner(conn, int(memory_id)))
     if found is None or ("*" not in grant.owners and found[0] not in grant.owners):
+        caller.missed()
         raise missing
     owner, live_id = found
     caller.admit(owner, None, write=write)
     record = ops.visible(grant, await ops.in_transaction(
         service, lambda conn, model: memory_edits.get_fact(conn, owner, model, live_id)))
     if record is None:
+        caller.missed()
         raise missing
     return grant, record
 
@@ -298,7 +300,7 @@ async def add(body: AddBody, service: Service, caller: Admission) -> dict[str, A
     owner, scope, _ = _owner_and_filter(ListBody(
         filters=body.filters, user_id=body.user_id, agent_id=body.agent_id, run_id=body.run_id))
     scope = ops.named_scope(scope, ops.parsed(body.filters))
-    caller.admit(owner, scope, write=True)
+    caller.admit(owner, scope, write=True, cost=len(body.messages))
     when = datetime.fromtimestamp(body.timestamp, UTC) if body.timestamp else datetime.now(UTC)
     if not body.infer:
         records = [await ops.add_fact(service, owner, m.content, scope, "mem0", body.metadata,

@@ -314,7 +314,7 @@ async def add_turns(user_id: str, body: TurnsBody, service: Service, caller: Adm
                     ) -> dict[str, Any]:
     """Published to the turn topic (keyed by the owner, so in order); each turn is accepted or
     refused with the reason. Facts follow once a worker extracts them."""
-    grant = caller.admit(user_id, None, write=True)
+    grant = caller.admit(user_id, None, write=True, cost=len(body.turns))
     accepted: list[TurnEvent] = []
     refused = []
     for i, raw in enumerate(body.turns):
@@ -348,7 +348,11 @@ async def event(user_id: str, event_id: Annotated[str, Path(pattern="^[0-9a-f]{3
     ``encoded``) and the facts it produced; with ``wait`` (seconds, up to 60), answered once it
     is encoded or the time is up, whichever comes first."""
     grant = caller.admit(user_id, None)
-    progress = await ops.event_progress(service, grant, user_id, event_id, wait)
+    if wait:
+        with caller.waiting():
+            progress = await ops.event_progress(service, grant, user_id, event_id, wait)
+    else:
+        progress = await ops.event_progress(service, grant, user_id, event_id, wait)
     return {**dataclasses.asdict(progress), "stage": progress.stage,
             "created_at": progress.created_at.isoformat(),
             "facts": [{"id": f.id, "live": f.live, "encoded": f.encoded,
@@ -377,7 +381,7 @@ async def import_facts(user_id: str, body: ImportBody, service: Service, caller:
     """The records the owner does not hold yet, stored (served as text at once, injected once
     encoded: the event says when); importing the same records again adds nothing. Each
     record's scope must be one the key may write."""
-    grant = caller.admit(user_id, None, write=True)
+    grant = caller.admit(user_id, None, write=True, cost=len(body.facts))
     if not all(holds(grant, Scope(r.agent_id, r.run_id)) for r in body.facts):
         raise HTTPException(403, "a record's scope is not one this API key may write")
     imported = await ops.import_facts(service, user_id, body.header, body.facts)

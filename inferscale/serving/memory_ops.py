@@ -104,14 +104,32 @@ class Caller:
     headers: dict[str, str]  # lower-case keys
     client: str | None
 
-    def admit(self, user_id: str, scope: Scope | None = ANY, write: bool = False) -> KeyGrant:
+    def admit(self, user_id: str, scope: Scope | None = ANY, write: bool = False,
+              cost: int = 1) -> KeyGrant:
         """The key's grant, if it may act for the owner in ``scope`` (None: checked against
-        each fact touched, with ``visible``); else the refusal."""
+        each fact touched, with ``visible``), counted as ``cost`` requests; else the
+        refusal."""
         if not is_owner_id(user_id):
             raise HTTPException(400, "owner ids are 1-256 characters, no control characters")
         try:
             return self.access.authorize(self.headers, user_id, scope=scope, write=write,
-                                         client=self.client)
+                                         client=self.client, cost=cost)
+        except FrontendError as exc:
+            raise refusal(exc) from None
+
+    def missed(self) -> None:
+        """Count a lookup of an id that is not the caller's (429 past its own limit)."""
+        try:
+            self.access.missed(self.headers, self.client)
+        except FrontendError as exc:
+            raise refusal(exc) from None
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Hold one of the caller's waiting slots (429 where none is free)."""
+        try:
+            with self.access.waiting(self.headers, self.client):
+                yield
         except FrontendError as exc:
             raise refusal(exc) from None
 
@@ -123,10 +141,11 @@ class Caller:
             raise refusal(exc) from None
 
     def known(self) -> KeyGrant:
-        """The key's grant before any owner is known (401 for no or an unknown key); routes
-        that learn the owner from what they read admit it with ``admit`` before answering."""
+        """The key's grant before any owner is known (401 for no or an unknown key; counted in
+        the rate limit); routes that learn the owner from what they read admit it with
+        ``admit`` before answering."""
         try:
-            return self.access.caller(self.headers, self.client)[0]
+            return self.access.known(self.headers, self.client)
         except FrontendError as exc:
             raise refusal(exc) from None
 

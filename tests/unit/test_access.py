@@ -115,6 +115,53 @@ def test_anonymous_callers_are_limited_per_address():
     assert limited.value.status == 429
 
 
+def test_costly_requests_count_by_their_cost_and_key_checks_count_too():
+    access = Access(Settings(api_keys=KEYS, rate_limit="10/minute"))
+    access.authorize(_bearer("alice-key"), "alice", write=True, cost=8)  # an import of 8
+    access.known(_bearer("alice-key"), None)  # a route that names no owner (entities, ping)
+    access.authorize(_bearer("alice-key"), "alice")
+    with pytest.raises(FrontendError) as limited:
+        access.known(_bearer("alice-key"), None)
+    assert limited.value.status == 429
+    with pytest.raises(FrontendError) as over:  # more than the whole window at once
+        Access(Settings(api_keys=KEYS, rate_limit="10/minute")).authorize(
+            _bearer("alice-key"), "alice", cost=11)
+    assert over.value.status == 429
+
+
+def test_lookups_of_ids_not_ones_own_have_their_own_limit():
+    access = Access(Settings(api_keys=KEYS, rate_limit="2/minute"))
+    access.missed(_bearer("alice-key"), None)
+    access.missed(_bearer("alice-key"), None)
+    with pytest.raises(FrontendError) as limited:
+        access.missed(_bearer("alice-key"), None)
+    assert limited.value.status == 429
+    access.authorize(_bearer("alice-key"), "alice")  # the request budget is another one
+    for _ in range(5):
+        access.missed(_bearer("admin"), None)
+
+
+def test_waiting_reads_are_capped_per_key_and_freed_when_done():
+    access = Access(Settings(api_keys=KEYS, max_waits_per_key=2))
+    with access.waiting(_bearer("alice-key"), None), access.waiting(_bearer("alice-key"), None):
+        with pytest.raises(FrontendError) as full, access.waiting(_bearer("alice-key"), None):
+            pass
+        assert full.value.status == 429 and full.value.headers["retry-after"]
+        with access.waiting(_bearer("reader"), None):  # another key has its own slots
+            pass
+    with access.waiting(_bearer("alice-key"), None):  # freed again
+        pass
+    with pytest.raises(FrontendError) as unknown, access.waiting(_bearer("nope"), None):
+        pass
+    assert unknown.value.status == 401
+
+
+@pytest.mark.parametrize("uri", ["", "memory", "ftp://x", "async+memory://", "redis:/x"])
+def test_a_rate_limit_store_limits_cannot_use_is_refused_at_start(uri):
+    with pytest.raises(ValidationError):
+        Settings(rate_limit_storage=uri)
+
+
 @pytest.mark.parametrize("spec", ["lots", "5/fortnight", "-1/second"])
 def test_a_rate_limit_the_notation_cannot_read_is_refused_at_start(spec):
     with pytest.raises(ValidationError):
