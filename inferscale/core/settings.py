@@ -419,6 +419,17 @@ class Settings(BaseSettings):
         parse_many(spec)  # ValueError for what the notation does not read
         return spec
 
+    @field_validator("rate_limit_storage")
+    @classmethod
+    def _check_rate_limit_storage(cls, uri: str) -> str:
+        from limits.storage import SCHEMES
+
+        scheme = uri.partition("://")[0]
+        if "://" not in uri or scheme not in SCHEMES or scheme.startswith("async+"):
+            raise ValueError(f"a `limits` storage URI (memory://, redis://host:port, ...), not "
+                             f"{uri[:60]!r}")
+        return uri
+
     @field_validator("kv_url")
     @classmethod
     def _check_kv_url(cls, url: str | None) -> str | None:
