@@ -240,6 +240,20 @@ def pinned(node: Node) -> dict[str, str]:
     return {k: v for k, v in found.items() if v}
 
 
+def conditions(node: Node) -> int:
+    """How many conditions the filter holds: what evaluating it costs per fact."""
+    count, stack = 0, [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, AllOf | AnyOf):
+            stack.extend(item.parts)
+        elif isinstance(item, Not):
+            stack.append(item.part)
+        else:
+            count += 1
+    return count
+
+
 def matches(node: Node, fact: Subject) -> bool:
     """Whether ``fact`` passes the filter (the Python path)."""
     if isinstance(node, AllOf):

@@ -71,7 +71,8 @@ class MemoryRuntime:
         self.fingerprint = model_fingerprint(model_path)
         self.embedder = load_embedder(settings)
         self.engine = create_engine(settings=settings)
-        self.index = OwnerIndex(self.engine, self.fingerprint, settings.retrieval_index_bytes)
+        self.index = OwnerIndex(self.engine, self.fingerprint, settings.retrieval_index_bytes,
+                                settings.filter_inline_cost, settings.filter_max_cost)
         self.store = KVStore.from_settings(settings, self.fingerprint, host_bytes=0)
         self._served: TTLCache[int, bool] = TTLCache(maxsize=1 << 17, ttl=SERVED_STAMP_S)
         self._unwritten: dict[str, tuple[dict[int, None], dict[int, None]]] = {}

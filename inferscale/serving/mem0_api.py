@@ -38,7 +38,6 @@ from inferscale.db.memory_edits import FactRecord
 from inferscale.serving import memory_ops as ops
 from inferscale.serving.memory_models import ERRORS
 from inferscale.serving.memory_ops import Admission, Service
-from inferscale.serving.retrieval import retrieve
 
 MEM0_PREFIXES: Final = ("/v1/ping/", "/v1/memories/", "/v3/memories/", "/v1/batch/",
                         "/v1/entities/", "/v2/entities/")
@@ -360,9 +359,7 @@ async def search(body: SearchBody, service: Service, caller: Admission) -> dict[
     retrieves for a chat request), best first, with their cosine similarity."""
     owner, scope, where = _owner_and_filter(body)
     caller.admit(owner, ops.named_scope(scope, where))
-    rt = await service.runtime()
-    hits = await retrieve(rt.index, rt.embedder, owner, body.query, body.limit or body.top_k,
-                          scope, where)
+    hits = await ops.search(service, owner, body.query, body.limit or body.top_k, scope, where)
     scores = {h.id: 1.0 - h.distance for h in hits
               if body.threshold is None or 1.0 - h.distance >= body.threshold}
     records = await ops.in_transaction(service, lambda conn, model: memory_edits.get_facts(

@@ -64,7 +64,6 @@ from inferscale.serving.memory_models import (
     Versions,
 )
 from inferscale.serving.memory_ops import Admission, Service
-from inferscale.serving.retrieval import retrieve
 
 MAX_PAGE = 500
 MAX_SEARCH_K = 100
@@ -302,8 +301,7 @@ async def search(user_id: str, body: SearchBody, service: Service, caller: Admis
     query, with their cosine similarity."""
     where = body.where
     caller.admit(user_id, ops.named_scope(body.scope, where))
-    rt = await service.runtime()
-    hits = await retrieve(rt.index, rt.embedder, user_id, body.query, body.k, body.scope, where)
+    hits = await ops.search(service, user_id, body.query, body.k, body.scope, where)
     return {"hits": [{"id": h.id, "text": h.text, "score": 1.0 - h.distance,
                       "kv_encoded": h.kv_location is not None} for h in hits]}
 

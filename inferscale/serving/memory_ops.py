@@ -49,10 +49,12 @@ from inferscale.core.settings import KeyGrant, Settings
 from inferscale.db import memory_edits, memory_events, memory_io
 from inferscale.db.memory_edits import FactRecord
 from inferscale.db.memory_events import EventProgress
+from inferscale.db.reads import RetrievedFact
 from inferscale.pipeline import kafka
 from inferscale.serving.access import Access, holds
 from inferscale.serving.compose import MemoryRuntime
 from inferscale.serving.guards import FrontendError
+from inferscale.serving.retrieval import retrieve
 
 STATE_KEY = "inferscale_memory"  # the service's name on the app's state
 MAX_WAIT_S = 60.0  # the longest a read of an event waits for it to be encoded
@@ -260,6 +262,17 @@ async def delete_fact(service: MemoryService, grant: KeyGrant, user_id: str, fac
     if not deleted:
         raise HTTPException(404, f"{user_id!r} has no live fact {fact_id}")
     await service.drop_blobs(user_id, locations)
+
+
+async def search(service: MemoryService, user_id: str, query: str, k: int, scope: Scope,
+                 where: Node) -> list[RetrievedFact]:
+    """The owner's k facts nearest the query as the server retrieves them (``retrieve``); a
+    filter too costly for the owner is the route's 413."""
+    rt = await service.runtime()
+    try:
+        return await retrieve(rt.index, rt.embedder, user_id, query, k, scope, where)
+    except FrontendError as exc:
+        raise refusal(exc) from None
 
 
 def named_scope(scope: Scope, where: Node) -> Scope:

@@ -9,7 +9,10 @@ over the owner's unit vectors (a scoped or filtered search ranks the rows of its
 its filter, ``contracts/filters.py``'s Python path: a fact's scope, metadata and time, like its
 embedding, never change); rows are read by id, live only. Owners are kept within a byte
 budget, least recently used first out; an owner with more facts than the whole budget holds
-is ranked by Postgres instead (exact, slower: ~2.5 us per fact).
+is ranked by Postgres instead (exact, slower: ~2.5 us per fact), and so is a filtered search
+whose conditions x facts pass ``filter_inline_cost`` (the filter is evaluated in Python, fact by
+fact: past that it would hold the event loop, and every stream with it); past
+``filter_max_cost`` it is refused (413).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from cachetools import LRUCache
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from inferscale.contracts.filters import EVERYTHING, Node, Subject, matches
+from inferscale.contracts.filters import EVERYTHING, Node, Subject, conditions, matches
 from inferscale.contracts.scope import ANY, SCOPE_FIELDS, Scope
 from inferscale.db.reads import (
     MemoryDelta,
@@ -37,6 +40,7 @@ from inferscale.db.reads import (
     top_k_facts,
 )
 from inferscale.db.tables import EMBEDDING_DIM
+from inferscale.serving.guards import FrontendError
 
 # pgvector's binary format: int16 dimensions, int16 unused, then big-endian float4s.
 _HEADER = np.dtype([("dim", ">i2"), ("unused", ">i2")])
@@ -147,10 +151,13 @@ class OwnerIndex:
     """Per-owner embedding matrices kept current against Postgres (one per server process);
     hits come with their KV for the model ``fingerprint``."""
 
-    def __init__(self, engine: AsyncEngine, fingerprint: str, max_bytes: int):
+    def __init__(self, engine: AsyncEngine, fingerprint: str, max_bytes: int,
+                 filter_inline_cost: int = 20_000, filter_max_cost: int = 6_400_000):
         self.engine = engine
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
+        self.filter_inline_cost = filter_inline_cost
+        self.filter_max_cost = filter_max_cost
         self._owners = OwnerLRU(max_bytes)
 
     @property
@@ -176,6 +183,8 @@ class OwnerIndex:
         owner = self._owners.get(user_id)  # recently used
         if owner is None:
             owner = await self.current(user_id)
+        if where != EVERYTHING and await self._costly(user_id, owner, where):
+            owner = None  # ranked by Postgres, off the event loop
         for _ in range(CATCH_UPS):
             if owner is None:  # larger than the budget: Postgres ranks them
                 async with self._connect() as conn:
@@ -198,6 +207,22 @@ class OwnerIndex:
                  for i, d in zip(ids.tolist(), distances.tolist(), strict=True) if i in rows]
         ahead = sum(f.pinned for f in found) if first is not None else 0
         return found[:ahead + k]
+
+    async def _costly(self, user_id: str, owner: OwnerVectors | None, where: Node) -> bool:
+        """Whether evaluating ``where`` over the owner's facts costs more than the event loop
+        may spend on it (conditions x facts past ``filter_inline_cost``); a 413 past
+        ``filter_max_cost``, wherever it would run."""
+        if owner is None:
+            async with self._connect() as conn:
+                _, facts = await memory_version(conn, user_id)
+        else:
+            facts = len(owner.ids)
+        cost = conditions(where) * facts
+        if cost > self.filter_max_cost:
+            raise FrontendError(413, f"this filter's {conditions(where)} conditions over the "
+                                     f"owner's {facts} facts cost more than filter_max_cost: "
+                                     "name a scope or use fewer conditions")
+        return cost > self.filter_inline_cost
 
     async def current(self, user_id: str) -> OwnerVectors | None:
         """The owner's vectors at the memory version Postgres has now (None: more facts than

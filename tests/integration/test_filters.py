@@ -1,8 +1,9 @@
 """The filter language's two paths agree with brute force on the real Postgres: for any filter
 (hypothesis draws them over keys, types and operators that collide on purpose), the facts SQL
 lists (``db/filter_sql.py``) are those the Python path passes (``contracts/filters.matches``),
-and a filtered search, ranked by the server's in-process index or by pgvector, equals
-filter-then-rank over every fact."""
+and a filtered search, ranked by the server's in-process index or by pgvector (the index hands
+costly filters to it), equals filter-then-rank over every fact; a filter too costly for the
+owner is refused."""
 
 import asyncio
 import random
@@ -20,6 +21,7 @@ from inferscale.db.engine import create_engine
 from inferscale.db.memory_edits import list_facts
 from inferscale.db.reads import top_k_facts
 from inferscale.db.tables import facts
+from inferscale.serving.guards import FrontendError
 from inferscale.serving.owner_index import OwnerIndex
 
 MODEL = "f" * 64
@@ -130,14 +132,40 @@ def test_sql_and_the_index_equal_brute_force(base_settings, owner, raw, k, seed)
                                                          where=where)]
             index = OwnerIndex(engine, MODEL, max_bytes=64 * 1024**2)
             by_index = [h.id for h in await index.search(user, query, k, where=where)]
-            return listed, by_pg, by_index
+            # every filter costly: the index hands the search to Postgres
+            handed = OwnerIndex(engine, MODEL, max_bytes=64 * 1024**2, filter_inline_cost=0)
+            by_pg_index = [h.id for h in await handed.search(user, query, k, where=where)]
+            return listed, by_pg, by_index, by_pg_index
         finally:
             await engine.dispose()
 
-    listed, by_pg, by_index = asyncio.run(both())
+    listed, by_pg, by_index, by_pg_index = asyncio.run(both())
     assert listed == passed, raw
     assert by_index == ranked, raw
-    assert set(by_pg) == set(ranked) or _tied(scores, by_pg, ranked), raw
+    for got in (by_pg, by_pg_index):
+        assert set(got) == set(ranked) or _tied(scores, got, ranked), raw
+
+
+def test_a_filter_too_costly_for_the_owner_is_refused_wherever_it_would_run(base_settings,
+                                                                              owner):
+    user, _, unit = owner
+    query = next(iter(unit.values()))
+    where = parse_filter({"OR": [{"a": i} for i in range(8)]})  # 8 conditions x N facts
+
+    async def search(index_bytes: int) -> int:
+        engine = create_engine(base_settings.database_url)
+        try:
+            index = OwnerIndex(engine, MODEL, max_bytes=index_bytes,
+                               filter_max_cost=8 * N - 1)
+            await index.search(user, query, 5, where=where)
+        except FrontendError as exc:
+            return exc.status
+        finally:
+            await engine.dispose()
+        return 200
+
+    assert asyncio.run(search(64 * 1024**2)) == 413  # held in process
+    assert asyncio.run(search(10)) == 413  # too large to hold: Postgres would rank it
 
 
 def _tied(scores: dict[int, float], got: list[int], want: list[int]) -> bool:

@@ -6,11 +6,13 @@ from datetime import UTC, datetime
 import pytest
 
 from inferscale.contracts.filters import (
+    EVERYTHING,
     MAX_CONDITIONS,
     MAX_DEPTH,
     MAX_LIST,
     FilterError,
     Subject,
+    conditions,
     matches,
     parse_filter,
     pinned,
@@ -97,3 +99,11 @@ def test_metadata_bounds(metadata, named):
 def test_metadata_within_the_bounds_is_kept_as_given():
     metadata = {"a": {"b": {"c": [1, 2.5, "x", None, True]}}, "é": "ü" * 100}
     assert check_metadata(metadata) is metadata
+
+
+def test_a_filters_cost_per_fact_is_its_number_of_conditions():
+    assert conditions(EVERYTHING) == 0
+    assert conditions(parse_filter({"a": 1})) == 1
+    assert conditions(parse_filter({"OR": [{"a": i} for i in range(64)]})) == 64
+    assert conditions(parse_filter({"NOT": {"a": {"gt": 1, "lt": 5}}, "agent_id": "x",
+                                    "AND": [{"b": "*"}, {"OR": [{"c": 1}, {"d": 2}]}]})) == 6
