@@ -375,8 +375,8 @@ class Settings(BaseSettings):
         "A filtered search over an owner whose conditions x facts exceed this is ranked by "
         "Postgres (off the server's event loop) instead of the in-process index."))
     filter_max_cost: int = Field(default=64 * 100_000, gt=0, description=(
-        "A filtered search, listing or delete whose conditions x the owner's facts exceed this "
-        "is refused (413): narrow it with a scope or fewer conditions."))
+        "A filtered search (chat requests' too) whose conditions x the owner's facts exceed "
+        "this is refused (413): narrow it with a scope or fewer conditions."))
     metrics_access: Literal["loopback", "admin", "any"] = Field(default="loopback", description=(
         "Who may read the server's /metrics (counters, no memory content): loopback clients "
         "without a key and admin keys from anywhere; admin keys only; anyone."))
