@@ -35,7 +35,7 @@ class ClaimedTurn:
     text: str
     ts: datetime
     claim: int  # the claim's number: only its holder records the turn's facts
-    context: list[str]  # "<speaker>: <text>" of the preceding turns, oldest first
+    context: list[str]  # "<speaker>: <text>" of the preceding turns of its scope, oldest first
     agent_id: str | None = None  # the turn's scopes
     run_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # the turn's
@@ -72,6 +72,7 @@ _CLAIM_TURNS = text("""
     SELECT t.*, COALESCE(ARRAY(
         SELECT c.speaker || ': ' || c.text FROM turns c
         WHERE c.user_id = t.user_id AND c.conversation_id = t.conversation_id
+          AND c.agent_id IS NOT DISTINCT FROM t.agent_id AND c.run_id IS NOT DISTINCT FROM t.run_id
           AND (c.ts, c.turn_id) < (t.ts, t.turn_id)
         ORDER BY c.ts DESC, c.turn_id DESC LIMIT :context), '{}') AS context
     FROM claimed t

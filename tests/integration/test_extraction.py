@@ -14,6 +14,7 @@ from sqlalchemy import select
 
 from helpers import extract_all, ingest, turn
 from inferscale.contracts.blob_name import fact_blob
+from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.scope import Scope
 from inferscale.db.extract_queue import StoredFact
 from inferscale.db.tables import facts, turns
@@ -173,6 +174,28 @@ class Recorder:
     def extract(self, turns_):
         self.seen += turns_
         return TurnExtractor().extract(turns_)
+
+
+async def test_a_turns_context_holds_only_turns_of_its_own_scope(settings, engine, embedder):
+    """One conversation, two agents: what an extractor (an LLM's prompt) sees of the context
+    of one agent's turn never holds the other agent's turns, so no fact of one scope is
+    restated into another."""
+    user = f"scoped-{uuid.uuid4().hex[:6]}"
+    def scoped(turn_id: str, text: str, day: int, agent: str, run: str | None = None):
+        plain = turn(user, turn_id, "Kim", text, day=day).model_dump(exclude={"version"})
+        return TurnEvent.model_validate({**plain, "agent_id": agent, "run_id": run})
+
+    said = [scoped("t0", "My PIN is 4921.", 1, "bank"), scoped("t1", "I like tea.", 2, "chat"),
+            scoped("t2", "And green tea most.", 3, "chat"),
+            scoped("t3", "Card ends 77.", 4, "bank", "r1")]
+    await ingest(settings, engine, said)
+    recorder = Recorder()
+    await extract_all(settings.model_copy(update={"extract_context_turns": 8}), engine,
+                      embedder, extractor=recorder)
+    context = {t.text: list(t.context) for t in recorder.seen}
+    assert context["I like tea."] == []
+    assert context["And green tea most."] == ["Kim: I like tea."]
+    assert context["Card ends 77."] == []  # another run of the same agent: another scope
 
 
 async def test_turns_are_extracted_once_with_their_context(settings, engine, embedder):
