@@ -127,14 +127,19 @@ async def get_facts(conn: AsyncConnection, user_id: str, fingerprint: str,
     return [_record(row) for row in rows]
 
 
-async def owners_with_facts(conn: AsyncConnection, owners: list[str] | None, limit: int
+async def owners_with_facts(conn: AsyncConnection, owners: list[str] | None, limit: int,
+                            agents: list[str] | None = None, runs: list[str] | None = None
                             ) -> dict[str, int]:
-    """The owners (among ``owners``; None: any) with live facts, and how many, at most
-    ``limit`` in owner order."""
+    """The owners (among ``owners``; None: any) with live facts of these agents and runs
+    (None: any), and how many, at most ``limit`` in owner order."""
     stmt = (select(facts.c.user_id, func.count()).where(facts.c.deleted_at.is_(None))
             .group_by(facts.c.user_id).order_by(facts.c.user_id).limit(limit))
     if owners is not None:
         stmt = stmt.where(facts.c.user_id.in_(owners))
+    if agents is not None:
+        stmt = stmt.where(facts.c.agent_id.in_(agents))
+    if runs is not None:
+        stmt = stmt.where(facts.c.run_id.in_(runs))
     return {row[0]: int(row[1]) for row in await conn.execute(stmt)}
 
 

@@ -4,13 +4,13 @@ vLLM hashes a prompt's KV blocks in a chain from the first block, and only the f
 carries the request's ``cache_salt``: two requests share a block only where their salts and
 every token up to the block's end are equal. The salt is keyed by the server's secret (no
 client can compute it to probe an owner's blocks) and holds the owner, the model, the client's
-own salt, the request's class (memory mode, tail recompute, lead blobs, key scales, scope and
-how many facts retrieval ranked) and the memory's ids: the owner's pinned facts where they have
-any, else every fact of the prompt. Fact ids are never reused and a fact's text never changes
-under its id, so the blocks of a forgotten owner's memory are never reached again (nor, without
-pinned facts, those of an edited or deleted fact); with pinned facts, the blocks after them
-are reached only by a prompt of the same owner, pinned facts and class holding the same tokens
-in the same places.
+own salt, the request's class (memory mode, tail recompute, lead blobs, key scales, scope,
+filter and how many facts retrieval ranked) and the memory's ids: the owner's pinned facts
+where they have any, else every fact of the prompt. Fact ids are never reused and a fact's text
+never changes under its id, so the blocks of a forgotten owner's memory are never reached again
+(nor, without pinned facts, those of an edited or deleted fact); with pinned facts, the blocks
+after them are reached only by a prompt of the same owner, pinned facts and class holding the
+same tokens in the same places.
 
 Invariant: within one class, a fact's place in the prompt decides how its KV is made: the last
 ``recompute`` of the ranked facts are prefilled; any other fact is injected where it has usable
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from inferscale.serving.request_options import MemoryOptions
 
-CLASS_FIELDS = {"mode", "recompute", "lead", "key_scales", "agent_id", "run_id"}
+CLASS_FIELDS = {"mode", "recompute", "lead", "key_scales", "agent_id", "run_id", "filters"}
 
 
 class CacheSalts:

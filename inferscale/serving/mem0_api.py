@@ -457,12 +457,13 @@ async def batch_delete(body: BatchDelete, service: Service, caller: Admission
 
 @router.get("/v1/entities/", summary="Mem0: the owners with memories", response_model=Entities)
 async def users(service: Service, caller: Admission) -> dict[str, Any]:
-    """The owners the key may act for that have live facts (at most ``MAX_ENTITIES``), as
-    Mem0's user entities."""
+    """The owners the key may act for that have live facts it may see (of its agents and
+    runs, where it is limited to some), each with how many of those (at most
+    ``MAX_ENTITIES``), as Mem0's user entities."""
     grant = caller.known()
     owners = None if "*" in grant.owners else list(grant.owners)
     counts = await ops.in_transaction(service, lambda conn, _: memory_edits.owners_with_facts(
-        conn, owners, MAX_ENTITIES))
+        conn, owners, MAX_ENTITIES, grant.agents, grant.runs))
     return {"results": [{"id": owner, "name": owner, "type": "user", "total_memories": n}
                         for owner, n in counts.items()]}
 

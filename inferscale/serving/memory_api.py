@@ -247,7 +247,7 @@ async def add_fact(user_id: str, body: NewFactBody, service: Service, caller: Ad
                    ) -> dict[str, Any]:
     """A fact given directly, with no source turn, by a key that may write the owner's scope.
     Served as text at once, injected once a worker encodes it (its event says when)."""
-    caller.admit(user_id, body.scope, write=True)
+    ops.check_pinning(caller.admit(user_id, body.scope, write=True), body.pinned)
     record = await ops.add_fact(service, user_id, body.text, body.scope, body.conversation_id,
                                 body.metadata, expires_at=body.expires_at,
                                 pinned=body.pinned)
@@ -263,6 +263,7 @@ async def edit(user_id: str, fact_id: FactId, body: EditBody, service: Service,
     (served as text until it is encoded); the old version is never served again by any server
     once this returns."""
     grant = caller.admit(user_id, None, write=True)
+    ops.check_pinning(grant, body.pinned is not None)
     record = await ops.edit_fact(service, grant, user_id, fact_id, body.text, body.metadata,
                                  body.expiry, body.pinned)
     return {**record.as_json(), "replaces": fact_id}
@@ -382,6 +383,7 @@ async def import_facts(user_id: str, body: ImportBody, service: Service, caller:
     grant = caller.admit(user_id, None, write=True, cost=len(body.facts))
     if not all(holds(grant, Scope(r.agent_id, r.run_id)) for r in body.facts):
         raise HTTPException(403, "a record's scope is not one this API key may write")
+    ops.check_pinning(grant, any(r.pinned for r in body.facts))
     imported = await ops.import_facts(service, user_id, body.header, body.facts)
     return {"imported": imported.ids, "skipped": imported.skipped,
             "event_id": await ops.record_event(service, user_id, fact_ids=imported.ids)}

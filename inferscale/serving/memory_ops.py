@@ -160,6 +160,14 @@ def caller(request: Request, service: Service) -> Caller:
 Admission = Annotated[Caller, Depends(caller)]
 
 
+def check_pinning(grant: KeyGrant, pinning: bool) -> None:
+    """Pinning (or unpinning) needs a key that holds every scope: a pinned fact leads every
+    memory prompt of its owner, whatever scope the prompt serves (403 otherwise)."""
+    if pinning and (grant.agents is not None or grant.runs is not None):
+        raise HTTPException(403, "pinning needs a key not limited to some agents or runs: a "
+                                 "pinned fact leads every memory prompt of its owner")
+
+
 def visible(grant: KeyGrant, record: FactRecord | None) -> FactRecord | None:
     """The fact where the key may act in its scope (else as if it did not exist)."""
     if record is None or not holds(grant, Scope(record.agent_id, record.run_id)):

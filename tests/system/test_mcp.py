@@ -120,13 +120,17 @@ async def test_every_tool_over_stdio(served):
             {"speaker": "", "text": "no speaker"}])
         assert len(turns["turns"]["accepted"]) == 1
         assert [r["index"] for r in turns["turns"]["refused"]] == [1]
-        other = f"mcp-{uuid.uuid4().hex[:6]}"
-        assert (await _ok(mcp, "list_memories", user=other))["facts"] == []
+        other = f"mcp-{uuid.uuid4().hex[:6]}"  # started for one owner: it acts for no other
+        for tool, arguments in (("list_memories", {}), ("search_memory", {"query": "horse"}),
+                                ("add_memory", {"text": "Planted."}),
+                                ("delete_memory", {"fact_id": fact["id"]})):
+            await _refused(mcp, tool, {**arguments, "user": other})
     # The owner's memory is what the memory API says it is.
     from inferscale.client import MemoryClient
 
     left = MemoryClient(served.url).list_facts(owner).facts
     assert [f.text for f in left] == ["Ines teaches chemistry in Porto."]
+    assert MemoryClient(served.url).list_facts(other).facts == []  # nothing planted there
 
 
 async def test_hostile_tool_arguments_are_clear_errors_and_the_server_survives(served):

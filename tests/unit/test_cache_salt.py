@@ -19,10 +19,10 @@ def _salt(options=BASE, owner="alice", retrieved=5, pinned=(3, 9), facts=(3, 9, 
 
 
 def test_requests_of_one_owner_and_class_share_a_salt_whatever_they_ask():
-    """k, the order and filters choose which facts and where; they do not change the kind of
-    KV a place gets, so they are not in the salt."""
+    """k and the order choose which facts and where; they do not change the kind of KV a place
+    gets, so they are not in the salt."""
     same = [BASE.model_copy(update=u) for u in (
-        {"k": 5}, {"order": "time"}, {"filters": {"agent_id": "a"}}, {"recompute_margin": 0.1})]
+        {"k": 5}, {"order": "time"}, {"recompute_margin": 0.1})]
     assert {_salt(options) for options in same} == {_salt()}
     assert _salt(facts=(3, 9, 40, 41)) == _salt()  # with pinned facts: whatever is retrieved
     assert _salt().startswith("inferscale-") and len(_salt()) == len("inferscale-") + 32
@@ -35,7 +35,10 @@ def test_every_part_of_the_class_and_every_identity_changes_the_salt():
         _salt(salts=CacheSalts("another secret")),
         *(_salt(BASE.model_copy(update=u)) for u in (
             {"mode": "text"}, {"recompute": 2}, {"lead": False}, {"key_scales": 0.5},
-            {"agent_id": "a"}, {"run_id": "r"}))]
+            {"agent_id": "a"}, {"run_id": "r"}, {"filters": {"agent_id": "a"}},
+            {"filters": {"agent_id": "b"}}))]
+    # a filter names a scope as agent_id does: a scoped key's prompts (its scope named in a
+    # filter) never reuse the blocks of an unscoped prompt holding facts outside that scope
     assert len(set(changed)) == len(changed) and _salt() not in changed
 
 

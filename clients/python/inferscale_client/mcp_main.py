@@ -27,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           f"or {DEFAULT_SERVER})")
     parser.add_argument("--api-key", help="a key that may act for the owners (default: "
                                           "INFERSCALE_API_KEY, or a loopback server's local key)")
-    parser.add_argument("--user", help="the owner tools act for when a call names none")
+    parser.add_argument("--user", help="the one owner the tools act for (a call naming "
+                                       "another is refused); unset: each call names its owner, "
+                                       "any the key may act for")
     parser.add_argument("--http", action="store_true",
                         help="serve streamable HTTP on 127.0.0.1 instead of stdio")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="--http: the port")

@@ -30,7 +30,8 @@ INSTRUCTIONS = (
     "delete a memory that is wrong. Memories belong to an owner (user id) and, optionally, an "
     "agent and a run (session).")
 Owner = Annotated[str | None, Field(
-    description="The memory owner (user id); default: the owner this server was started for")]
+    description="The memory owner (user id); a server started for one owner acts for that "
+                "owner only")]
 Agent = Annotated[str | None, Field(
     description="An agent: the one a memory is added for, or the only one read (None: any)")]
 Run = Annotated[str | None, Field(
@@ -61,14 +62,18 @@ class Added(BaseModel):
 def build_server(connect: Callable[[], AsyncMemoryClient], owner: str | None = None
                  ) -> MCPServer:
     """The MCP server whose tools call the memory API through ``connect()``'s client (one per
-    call); ``owner``: the owner a call that names none acts for."""
+    call); ``owner``: the one owner every call acts for (None: each call names its owner, any
+    the key may act for)."""
     server = MCPServer("inferscale-memory", instructions=INSTRUCTIONS)
 
     def whose(user: str | None) -> str:
-        if user is not None:
-            return user
         if owner is None:
-            raise ToolError("name the memory owner (`user`): this server has no default owner")
+            if user is None:
+                raise ToolError("name the memory owner (`user`): this server has no owner of "
+                                "its own")
+            return user
+        if user not in (None, owner):
+            raise ToolError(f"this server acts for {owner!r} only (started with --user)")
         return owner
 
     async def call(work: Callable[[AsyncMemoryClient], Awaitable[T]]) -> T:

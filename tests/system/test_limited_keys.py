@@ -1,0 +1,177 @@
+"""Safe against a limited key, on a real server given keys of its own and a ``--root-path``:
+routes are allowed by name as the router matches them (engine control needs an admin key under
+the root path too, vLLM's dev-mode routes included), a keyless body is refused before it is
+read, a filter flood by a read-only key is answered (or refused) while the server stays
+responsive, an agent-scoped key learns nothing of owners outside its scope and cannot pin, and
+/metrics is read as configured."""
+
+import asyncio
+import socket
+import uuid
+from datetime import UTC, datetime
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import pytest
+from sqlalchemy import insert
+
+from conftest import SUITE_KEY, running_server
+from inferscale.core.settings import Settings
+from inferscale.db.tables import facts
+
+pytestmark = pytest.mark.slow
+
+KEYS = {
+    SUITE_KEY: ["*"],
+    "reader": {"owners": ["*"], "read_only": True},
+    "agent-a-reader": {"owners": ["*"], "agents": ["a"], "read_only": True},
+    "alice-a": {"owners": ["alice"], "agents": ["a"]},
+}
+ADMIN = {"authorization": f"Bearer {SUITE_KEY}"}
+FLOOD_FACTS = 3000
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def keyed(base_settings, tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("limited-keys")
+    settings = base_settings.model_copy(update={
+        "model_path": tiny_models["llama"], "kv_dir": root / "kv", "data_dir": root,
+        "window": 0, "top_k": 1, "key_scales": "off", "metrics_access": "admin",
+        "api_keys": Settings(api_keys=KEYS).api_keys})
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")  # vLLM's dev-mode routes too (/pause, ...)
+        server = running_server(settings, root / "server.log",
+                                ["--enforce-eager", "--dtype", "float32", "--max-model-len",
+                                 "2048", "--root-path", "/api"])
+        running = server.__enter__()
+    try:
+        yield running
+    finally:
+        server.__exit__(None, None, None)
+
+
+def test_engine_control_needs_an_admin_key_under_the_root_path(keyed):
+    """Under ``--root-path /api`` the app routes ``/reset_prefix_cache`` with the root path in
+    the request's path (what an exact-path deny-list missed); a prefixed form is never
+    served to a limited caller either."""
+    for path in ("/reset_prefix_cache", "/pause", "/collective_rpc", "/invocations",
+                 "/api/reset_prefix_cache"):
+        for headers, refused in (({}, 401), (_bearer("reader"), 403),
+                                 (_bearer("alice-a"), 403)):
+            response = httpx.post(keyed.url + path, json={}, headers=headers, timeout=30)
+            assert response.status_code in (refused, 404 if "/api/" in path else refused), (
+                path, headers, response.text)
+    assert httpx.post(keyed.url + "/reset_prefix_cache", headers=ADMIN,
+                      timeout=30).status_code == 200
+    # generation stays open under the root path (vLLM's own --api-key is not set)
+    chat = httpx.post(keyed.url + "/v1/chat/completions", timeout=120, json={
+        "model": "inferscale", "max_tokens": 1,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200, chat.text
+
+
+def _status_after_partial_body(url: str, method: str, path: str, headers: str) -> int:
+    """Send a request's head and 64 KiB of a body it says is far larger; the status line of
+    the answer (the server must answer without the rest)."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     f"Content-Type: application/json\r\n{headers}\r\n".encode())
+        sock.sendall(b"[" + b" " * (64 * 1024))
+        answer = sock.recv(4096)
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_a_keyless_body_is_refused_before_it_is_read(keyed):
+    declared = f"Content-Length: {48 * 1024**2}\r\n"
+    assert _status_after_partial_body(keyed.url, "DELETE", "/v1/batch/", declared) in (401, 413)
+    chunked = "Transfer-Encoding: chunked\r\n"
+    assert _status_after_partial_body(keyed.url, "DELETE", "/v1/batch/", chunked) == 401
+    assert _status_after_partial_body(keyed.url, "POST", "/v1/memory/users/x/search",
+                                      chunked) == 401
+    assert httpx.get(keyed.url + "/health", timeout=10).status_code == 200
+
+
+async def _add(url: str, owner: str, text: str, agent: str | None, key: dict,
+               pinned: bool = False) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await client.post(f"{url}/v1/memory/users/{owner}/facts", headers=key,
+                                 json={"text": text, "agent_id": agent, "pinned": pinned})
+
+
+async def test_an_agent_scoped_key_sees_no_owner_outside_its_scope_and_cannot_pin(keyed):
+    tag = uuid.uuid4().hex[:6]
+    both, other = f"both-{tag}", f"other-{tag}"
+    for owner, text, agent in ((both, "Kim keeps bees.", "a"), (both, "Kim's PIN is 4921.", "b"),
+                               (other, "Lee's PIN is 1234.", "b")):
+        assert (await _add(keyed.url, owner, text, agent, ADMIN)).status_code == 201
+    for key in ("agent-a-reader", SUITE_KEY):
+        listed = httpx.get(f"{keyed.url}/v1/entities/", headers=_bearer(key), timeout=30)
+        assert listed.status_code == 200, listed.text
+        counts = {e["id"]: e["total_memories"] for e in listed.json()["results"]}
+        if key == SUITE_KEY:
+            assert counts[both] == 2 and counts[other] == 1
+        else:
+            assert counts[both] == 1 and other not in counts
+    # a key of agent a may add in its scope, never pin (a pinned fact leads every prompt)
+    assert (await _add(keyed.url, "alice", "Alice swims.", "a", _bearer("alice-a"))
+            ).status_code == 201
+    assert (await _add(keyed.url, "alice", "Alice is X.", "a", _bearer("alice-a"), pinned=True)
+            ).status_code == 403
+
+
+@pytest.fixture(scope="module")
+async def crowded(engine):
+    """An owner with ``FLOOD_FACTS`` facts, each with metadata, stored straight to Postgres."""
+    owner = f"crowded-{uuid.uuid4().hex[:6]}"
+    vectors = np.random.default_rng(67).normal(size=(FLOOD_FACTS, 384)).astype(np.float32)
+    now = datetime.now(UTC)
+    rows = [{"user_id": owner, "conversation_id": "c", "turn_ids": [f"t{i}"], "ordinal": 0,
+             "extractor": "test", "text": f"fact {i}", "ts": now,
+             "embedding": vectors[i].tolist(), "metadata": {"n": i % 97, "tag": f"t{i % 7}"},
+             "created_at": now} for i in range(FLOOD_FACTS)]
+    async with engine.begin() as conn:
+        await conn.execute(insert(facts), rows)
+    return owner
+
+
+async def test_a_filter_flood_by_a_read_only_key_is_bounded_and_the_server_stays_up(keyed,
+                                                                                   crowded):
+    """8 concurrent searches, each a 64-way OR over 3,000 facts: each is answered or refused
+    as too costly (never a 5xx), and health checks keep being answered meanwhile (how fast:
+    ``lab bench flood``)."""
+    where = {"OR": [{"n": i} for i in range(64)]}
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def search() -> int:
+            response = await client.post(
+                f"{keyed.url}/v1/memory/users/{crowded}/search", headers=_bearer("reader"),
+                json={"query": "which fact?", "k": 5, "filters": where})
+            return response.status_code
+
+        async def probe(done: asyncio.Event) -> list[int]:
+            statuses = []
+            while not done.is_set():
+                statuses.append((await client.get(f"{keyed.url}/health")).status_code)
+                await asyncio.sleep(0.05)
+            return statuses
+
+        done = asyncio.Event()
+        probes = asyncio.create_task(probe(done))
+        searched = await asyncio.gather(*(search() for _ in range(8)))
+        done.set()
+        health = await probes
+    assert set(searched) <= {200, 413} and searched, searched
+    assert health and set(health) == {200}
+
+
+def test_metrics_are_read_as_configured(keyed):
+    assert httpx.get(f"{keyed.url}/metrics", timeout=30).status_code == 401
+    assert httpx.get(f"{keyed.url}/metrics", headers=_bearer("reader"),
+                     timeout=30).status_code == 403
+    response = httpx.get(f"{keyed.url}/metrics", headers=ADMIN, timeout=30)
+    assert response.status_code == 200 and "vllm" in response.text
