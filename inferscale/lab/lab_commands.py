@@ -57,6 +57,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.lab.bench import memory_api_latency
 
         memory_api_latency.run(settings, data, out, repeats=args.n)
+    elif args.which == "flood":
+        from inferscale.lab.bench import flood
+
+        flood.run(settings, out)
     elif args.which == "pagein":
         from inferscale.lab.bench import pagein
 
@@ -172,7 +176,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (figures side by side with the baseline)")
     p.add_argument("which", choices=["encode", "ttft", "hybrid", "throughput", "ingest",
                                      "freshness", "load", "extract", "retrieval", "pagein",
-                                     "inject", "cost", "memory-api", "soak", "pinned"])
+                                     "inject", "cost", "memory-api", "soak", "pinned",
+                                     "flood"])
     p.add_argument("--data", default=str(SAMPLE),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
