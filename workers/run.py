@@ -161,7 +161,7 @@ async def run_worker(settings: Settings, drain: bool = False) -> dict:
     relay = ChangeRelay(settings, engine, bootstrap, security)
     health = HealthServer()
     if settings.worker_http_port is not None:
-        await health.start("0.0.0.0", settings.worker_http_port)
+        await health.start(settings.worker_http_host, settings.worker_http_port)
     extracting = asyncio.create_task(extract.run(), name="extract")
     encoding = asyncio.create_task(encode.run(), name="encode")
     maintaining = asyncio.create_task(maintain.run(), name="maintenance")

@@ -15,12 +15,14 @@ def _infra(args: argparse.Namespace, settings: Settings) -> int:
     if args.action == "up":
         endpoints = infra.up(settings, args.kafka_port, args.postgres_port)
         print(f"kafka_bootstrap={endpoints.kafka_bootstrap}")
-        print(f"database_url={endpoints.database_url}")
+        print(f"database_url={_masked(endpoints.database_url)}")
     elif args.action == "down":
         infra.down(settings)
         print("embedded infrastructure stopped")
     else:
         report = infra.status(settings)
+        if "database_url" in report:
+            report["database_url"] = _masked(report["database_url"])
         if args.json:
             print(json.dumps(report))
         else:
@@ -30,6 +32,13 @@ def _infra(args: argparse.Namespace, settings: Settings) -> int:
                 print(f"{name}: {state}" + (f" (pid {entry['pid']}, port {entry['port']})"
                                              if entry else ""))
     return 0
+
+
+def _masked(url: str) -> str:
+    """A database URL as printed: its password (in ``<data_dir>/infra/pg_password``) hidden."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def _db(args: argparse.Namespace, settings: Settings) -> int:

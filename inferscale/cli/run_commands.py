@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from inferscale.core.private_files import private_dir
 from inferscale.core.settings import Settings
 
 
@@ -15,6 +16,7 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.group:
         settings = settings.model_copy(update={"consumer_group": args.group})
+    private_dir(settings.data_dir)
     print(json.dumps(asyncio.run(run_worker(settings, drain=args.drain))))
     return 0
 
@@ -24,6 +26,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 
     update = {k: v for k, v in (("server_host", args.host), ("server_port", args.port)) if v}
     vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    private_dir(settings.data_dir)
     process = start_server(settings.model_copy(update=update), vllm_args)
     try:
         return process.wait()

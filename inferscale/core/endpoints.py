@@ -8,11 +8,13 @@ import json
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from inferscale.core.procs import pid_alive
 from inferscale.core.settings import Settings
 
 DATABASE_NAME = "inferscale"
+DATABASE_USER = "postgres"
 
 
 class InfraError(RuntimeError):
@@ -46,12 +48,32 @@ def running(entry: dict | None) -> bool:
     return bool(entry and pid_alive(entry.get("pid")) and port_open(entry["port"]))
 
 
-def endpoints(state: dict) -> Endpoints:
+def pg_password_path(settings: Settings) -> Path:
+    """Where the embedded Postgres's password is kept (mode 0600; ``devstack/infra.py`` makes
+    it): every process of the stack on this machine logs in with it."""
+    return settings.infra_dir / "pg_password"
+
+
+def read_pg_password(settings: Settings) -> str | None:
+    """The embedded Postgres's password; None where it has none (a cluster made before
+    passwords, until its next start)."""
+    try:
+        return pg_password_path(settings).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def postgres_url(port: int, password: str | None) -> str:
+    """The URL of the embedded database on ``port``, logging in with ``password``."""
+    login = f"{DATABASE_USER}:{quote(password, safe='')}" if password else DATABASE_USER
+    return f"postgresql+asyncpg://{login}@127.0.0.1:{port}/{DATABASE_NAME}"
+
+
+def endpoints(settings: Settings, state: dict) -> Endpoints:
+    """Where the embedded broker and database recorded in ``state`` are reached."""
     return Endpoints(
         kafka_bootstrap=f"127.0.0.1:{state.get('kafka', {}).get('port')}",
-        database_url=(
-            f"postgresql+asyncpg://postgres@127.0.0.1:{state['postgres']['port']}/{DATABASE_NAME}"
-        ),
+        database_url=postgres_url(state["postgres"]["port"], read_pg_password(settings)),
     )
 
 
@@ -67,7 +89,7 @@ def _require(settings: Settings, name: str) -> dict:
 
 def embedded_database_url(settings: Settings) -> str:
     """URL of the running embedded Postgres; a clear error when it is not up."""
-    return endpoints(_require(settings, "postgres")).database_url
+    return endpoints(settings, _require(settings, "postgres")).database_url
 
 
 def resolve_kafka_bootstrap(settings: Settings) -> str:

@@ -12,10 +12,10 @@ the client distribution (``inferscale_client/keys.py``), which clients use witho
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 
+from inferscale.core.private_files import private_dir, write_once
 from inferscale_client.keys import (
     KEY_ENV,
     KEY_FILE,
@@ -35,20 +35,10 @@ def ensure_key(data_dir: Path) -> tuple[str, bool]:
     """This data directory's admin key, made (0600, atomically: two servers starting at once
     agree, and none reads a file before its key is in it) where there is none; and whether it
     was made now."""
-    path = key_path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     key = secrets.token_urlsafe(32)
-    draft = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(key + "\n")
-        os.link(draft, path)  # the whole file appears at once, or not at all if one exists
-    except FileExistsError:
-        existing = read_key(data_dir)
-        if existing is None:
-            raise ValueError(f"{path} holds no key: remove it to make a new one") from None
-        return existing, False
-    finally:
-        draft.unlink(missing_ok=True)
-    return key, True
+    if write_once(key_path(private_dir(data_dir)), key + "\n"):
+        return key, True
+    existing = read_key(data_dir)
+    if existing is None:
+        raise ValueError(f"{key_path(data_dir)} holds no key: remove it to make a new one")
+    return existing, False

@@ -2,35 +2,58 @@
 
 Both run as detached processes on loopback with state in ``<data_dir>/infra``; a second ``up``
 reuses what runs. Production points the settings at real Kafka and Postgres instead.
+
+Postgres takes password (SCRAM) logins only, over TCP and its socket: a random password, kept in
+``<data_dir>/infra/pg_password`` (0600), where every process of the stack reads it
+(``core/endpoints.py``). The broker takes any local client: the shipped tansu (0.6.0) keeps no
+SASL users in its storage engines (memory://, s3://), so ``--authentication`` refuses everyone.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
+import hmac
 import importlib.util
 import json
 import os
 import pwd
+import secrets
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 from inferscale.core.endpoints import (
     DATABASE_NAME,
+    DATABASE_USER,
     Endpoints,
     InfraError,
     endpoints,
+    pg_password_path,
     port_open,
+    read_pg_password,
     read_state,
     running,
     state_file,
 )
+from inferscale.core.private_files import private_dir, write_once
 from inferscale.core.procs import pid_alive
 from inferscale.core.settings import Settings
 
 PG_USER_WHEN_ROOT = "inferscale_pg"
+# Password logins only, written over initdb's at each start; the server listens on 127.0.0.1
+# and on a socket in its 0700 pgdata.
+PG_HBA = """\
+# Written by InferScale (devstack/infra.py) at each start: password (SCRAM) logins only.
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+"""
 
 
 def _write_state(settings: Settings, state: dict) -> None:
@@ -119,10 +142,17 @@ def _pg_run_user() -> str | None:
     return PG_USER_WHEN_ROOT
 
 
-def _grant_read(path: Path) -> None:
-    """Let the Postgres user read (and traverse) a tree and every folder above it."""
+def _grant_traverse(path: Path) -> None:
+    """Let the Postgres user pass through every folder above ``path`` (not list them)."""
     for parent in path.parents:
-        parent.chmod(parent.stat().st_mode | 0o005)
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            parent.chmod(mode | 0o001)
+
+
+def _grant_read(path: Path) -> None:
+    """Let the Postgres user read (and traverse) a tree, and pass through the folders above."""
+    _grant_traverse(path)
     for root, dirs, files in os.walk(path):
         for name in (*dirs, *files):
             p = Path(root) / name
@@ -132,16 +162,18 @@ def _grant_read(path: Path) -> None:
 
 def _pg_prepare_permissions(pgdata: Path, user: str) -> None:
     _grant_read(_pg_install_dir())
-    for parent in pgdata.parents:
-        parent.chmod(parent.stat().st_mode | 0o005)
+    _grant_traverse(pgdata)
     entry = pwd.getpwnam(user)
     os.chown(pgdata, entry.pw_uid, entry.pw_gid)
 
 
-def _pg(args: list[str], user: str | None, timeout: float = 60) -> subprocess.CompletedProcess:
+def _pg(args: list[str], user: str | None, timeout: float = 60, password: str | None = None,
+        stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run a Postgres program (as ``user``; logging in with ``password``; ``stdin`` its input)."""
+    env = {**os.environ, "PGPASSWORD": password} if password else None
     result = subprocess.run(args, user=user, group=user, extra_groups=[] if user else None,
-                            capture_output=True, text=True, timeout=timeout,
-                            stdin=subprocess.DEVNULL)
+                            capture_output=True, text=True, timeout=timeout, env=env,
+                            input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL)
     if result.returncode != 0:
         raise InfraError(f"{Path(args[0]).name} failed: {result.stderr.strip() or result.stdout}")
     return result
@@ -155,29 +187,92 @@ def _pg_pid(pgdata: Path) -> int | None:
         return None
 
 
+def _pg_password(settings: Settings) -> tuple[str, bool]:
+    """The embedded Postgres's password, made (0600) where there is none; and whether it was
+    made now."""
+    made = write_once(pg_password_path(settings), secrets.token_urlsafe(32) + "\n")
+    password = read_pg_password(settings)
+    if password is None:
+        raise InfraError(f"{pg_password_path(settings)} holds no password: remove it to make "
+                         "a new one")
+    return password, made
+
+
+def scram_verifier(password: str, salt: bytes | None = None, iterations: int = 4096) -> str:
+    """What Postgres keeps of ``password`` for scram-sha-256 logins (RFC 5803's form): setting
+    it puts no password in a statement."""
+    salt = salt or os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    stored_key = hashlib.sha256(hmac.digest(salted, b"Client Key", "sha256")).digest()
+    server_key = hmac.digest(salted, b"Server Key", "sha256")
+    salt_b64, stored_b64, server_b64 = (base64.b64encode(b).decode()
+                                        for b in (salt, stored_key, server_key))
+    return f"SCRAM-SHA-256${iterations}:{salt_b64}${stored_b64}:{server_b64}"
+
+
+@contextlib.contextmanager
+def _pwfile(folder: Path, password: str, user: str | None) -> Iterator[Path]:
+    """A file (0600) holding ``password`` that ``user`` may read, removed afterwards."""
+    path = folder / f".pwfile.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(password + "\n")
+        if user:
+            entry = pwd.getpwnam(user)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _pg_set_password(pgdata: Path, password: str, user: str | None) -> None:
+    """Give ``postgres`` the password in single-user mode: nothing listens meanwhile."""
+    statement = f"ALTER ROLE {DATABASE_USER} PASSWORD '{scram_verifier(password)}';\n"
+    result = _pg([_pg_bin("postgres"), "--single", "-D", str(pgdata), "postgres"], user,
+                 stdin=statement)
+    if "ERROR" in result.stderr:
+        raise InfraError(f"cannot set the Postgres password: {result.stderr.strip()}")
+
+
+def _pg_secure(pgdata: Path, password: str, new_password: bool, user: str | None) -> None:
+    """A new cluster made with ``password``; an existing one given it where it is new or the
+    cluster still has another pg_hba.conf (one made with ``trust``); then our pg_hba.conf."""
+    hba = pgdata / "pg_hba.conf"
+    if not (pgdata / "PG_VERSION").exists():
+        with _pwfile(pgdata.parent, password, user) as pwfile:
+            _pg([_pg_bin("initdb"), "-D", str(pgdata), "--auth=scram-sha-256",
+                 f"--pwfile={pwfile}", "--encoding=utf8", "-U", DATABASE_USER], user,
+                timeout=120)
+    elif new_password or hba.read_text() != PG_HBA:
+        _pg_set_password(pgdata, password, user)
+    if hba.read_text() != PG_HBA:
+        hba.write_text(PG_HBA)  # in place: the file keeps its owner (the Postgres user)
+
+
 def _start_postgres(settings: Settings, port: int) -> dict:
     if port_open(port):
         raise InfraError(f"cannot start Postgres: port {port} is already taken")
     pgdata = settings.infra_dir / "pgdata"
-    pgdata.mkdir(parents=True, exist_ok=True)
+    pgdata.mkdir(mode=0o700, parents=True, exist_ok=True)
     user = _pg_run_user()
     if user:
         _pg_prepare_permissions(pgdata, user)
-    if not (pgdata / "PG_VERSION").exists():
-        _pg([_pg_bin("initdb"), "-D", str(pgdata), "--auth=trust", "--encoding=utf8",
-             "-U", "postgres"], user, timeout=120)
     stale = _pg_pid(pgdata)
     if stale and not pid_alive(stale):
         (pgdata / "postmaster.pid").unlink(missing_ok=True)
+    password, new_password = _pg_password(settings)
+    _pg_secure(pgdata, password, new_password, user)
     log = pgdata / "server.log"
     _pg([_pg_bin("pg_ctl"), "-D", str(pgdata), "-w", "-t", "60", "-l", str(log),
          "-o", f"-h 127.0.0.1 -p {port} -k {pgdata} -c max_connections=200", "start"], user)
     _wait_port(port, 30, "Postgres", log)
-    exists = _pg([_pg_bin("psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-tAc",
-                  f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}'"], None)
+    login = ["-h", "127.0.0.1", "-p", str(port), "-U", DATABASE_USER]
+    exists = _pg([_pg_bin("psql"), *login, "-tAc",
+                  f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}'"], None,
+                 password=password)
     if exists.stdout.strip() != "1":
-        _pg([_pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
-             DATABASE_NAME], None)
+        _pg([_pg_bin("createdb"), *login, DATABASE_NAME], None, password=password)
     return {"pid": _pg_pid(pgdata), "port": port, "pgdata": str(pgdata)}
 
 
@@ -208,7 +303,7 @@ def up(settings: Settings, kafka_port: int = 0, postgres_port: int = 0) -> Endpo
     if not running(state.get("postgres")):
         state["postgres"] = _start_postgres(settings, postgres_port or _free_port())
         _write_state(settings, state)
-    return endpoints(state)
+    return endpoints(settings, state)
 
 
 def down(settings: Settings) -> None:
@@ -223,7 +318,8 @@ def down(settings: Settings) -> None:
 
 def start_kafka(settings: Settings, port: int = 0) -> str:
     """Start (or reuse) only the embedded broker; returns its bootstrap address."""
-    settings.infra_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.data_dir)
+    private_dir(settings.infra_dir)
     state = read_state(settings)
     if not running(state.get("kafka")):
         state["kafka"] = _start_kafka(settings, port or _free_port())
@@ -257,7 +353,7 @@ def status(settings: Settings) -> dict:
     state = read_state(settings)
     report: dict = {name: {**entry, "running": running(entry)} for name, entry in state.items()}
     if all(running(state.get(name)) for name in ("kafka", "postgres")):
-        report.update(asdict(endpoints(state)))
+        report.update(asdict(endpoints(settings, state)))
     return report
 
 

@@ -228,8 +228,8 @@ def file_version(stat: os.stat_result) -> tuple[int, ...] | None:
 
 
 class LocalDir(Durable):
-    """A directory; writes go to a temp file (``.<name>.<pid>.<thread>.tmp``), are fsynced and
-    renamed into place."""
+    """A directory; writes go to a temp file (``.<name>.<pid>.<thread>.tmp``, mode 0600: an
+    owner's memory is for this account only), are fsynced and renamed into place."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -294,7 +294,7 @@ class LocalDir(Durable):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with tmp.open("wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(data[:len(data) // 2])
                 failpoints.hit("kv.mid_write")
                 f.write(data[len(data) // 2:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import subprocess
 import threading
 import time
@@ -301,6 +302,17 @@ def test_sweep_removes_temp_files_of_dead_writers_only(tmp_path):
     assert durable.sweep_temp() == 1
     assert [p.name for p in shard.iterdir()] == [f".2.safetensors.{os.getpid()}.7.tmp"]
     assert list(durable.list()) == []  # temp files are never blobs
+
+
+def test_local_blobs_are_for_this_account_only(tmp_path):
+    """A blob is an owner's memory: 0600 on the local tier, whatever the umask lets through."""
+    durable = LocalDir(tmp_path)
+    previous = os.umask(0)
+    try:
+        durable.write("fp/00/1.safetensors", b"kv")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "fp" / "00" / "1.safetensors").stat().st_mode) == 0o600
 
 
 def test_get_many_pages_misses_in_concurrently_in_order(store, monkeypatch):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from conftest import EXTERNAL_INFRA
 from inferscale.core import endpoints
@@ -26,7 +27,11 @@ def test_second_up_reuses_running_services(base_settings):
                          env={**os.environ, "INFERSCALE_DATA_DIR": str(local.data_dir)})
     report = json.loads(out.stdout)
     assert report["kafka_bootstrap"] == endpoints.kafka_bootstrap
-    assert report["database_url"] == endpoints.database_url
+    shown = make_url(report["database_url"])
+    assert shown.password == "***"  # the password stays in its 0600 file, never printed
+    assert shown.set(password=make_url(endpoints.database_url).password) == make_url(
+        endpoints.database_url)
+    assert make_url(endpoints.database_url).password not in out.stdout
 
 
 def test_port_taken_is_a_clear_error(tmp_path):

@@ -114,6 +114,46 @@ async def test_readyz_fails_when_the_encode_stage_dies(settings, monkeypatch, ca
             await asyncio.wait_for(worker, 60)
 
 
+def _outside_address() -> str | None:
+    """An address of this host besides loopback (None where it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))  # picks the outgoing route: nothing is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("host", [None, "0.0.0.0"])
+async def test_health_and_metrics_listen_on_loopback_unless_configured(settings, monkeypatch,
+                                                                       host):
+    address = _outside_address()
+    if address is None:
+        pytest.skip("this host has no address besides loopback to try")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = _DyingStore()
+    monkeypatch.setattr(run, "open_encoder_and_store", lambda _settings: (object(), store))
+    update = {"worker_http_port": port} | ({"worker_http_host": host} if host else {})
+    worker = asyncio.create_task(run.run_worker(settings.model_copy(update=update)))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            assert await _readyz_becomes(client, 200)
+        if host is None:  # the default: this machine only
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((address, port), timeout=5).close()
+        else:
+            async with httpx.AsyncClient(base_url=f"http://{address}:{port}") as client:
+                assert (await client.get("/healthz")).status_code == 200
+    finally:
+        store.release.set()
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(worker, 60)
+
+
 async def _readyz_becomes(client: httpx.AsyncClient, status: int, timeout_s: float = 60) -> bool:
     for _ in range(int(timeout_s / 0.25)):
         with contextlib.suppress(httpx.HTTPError):

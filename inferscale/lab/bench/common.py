@@ -13,9 +13,9 @@ from inferscale.core.settings import Settings
 
 # Where a run's infrastructure, files and secrets are: not settings a figure depends on.
 _PLACES = {"kafka_bootstrap", "database_url", "data_dir", "kafka_sasl_password", "llm_api_key",
-           "turns_topic", "dead_letter_topic", "consumer_group", "worker_http_port",
-           "model_path", "kv_dir", "kv_url", "server_host", "server_port", "api_keys",
-           "vllm_api_keys", "plan_secret"}
+           "turns_topic", "dead_letter_topic", "consumer_group", "worker_http_host",
+           "worker_http_port", "model_path", "kv_dir", "kv_url", "server_host", "server_port",
+           "api_keys", "vllm_api_keys", "plan_secret"}
 
 def machine() -> dict:
     """What the figures were measured on."""

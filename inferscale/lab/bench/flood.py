@@ -103,7 +103,7 @@ def run(settings: Settings, out_dir: Path) -> dict:
 
     asyncio.run(store())
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = {}
+    rows: dict[str, dict] = {}
     for name, update in (("defaults", {}), ("baseline: filters inline", {
             "filter_inline_cost": 10**15, "filter_max_cost": 10**15})):
         served = settings.model_copy(update=update)
