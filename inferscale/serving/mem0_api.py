@@ -72,6 +72,9 @@ NOT_HERE: Final = {
     "output_format": "one response format (v1.1)",
 }
 ACCEPTED_AS_IS: Final = frozenset({"async_mode", "version"})  # response format knobs
+# Fields accepted where they ask for what is served (Mem0's TypeScript client sends
+# ``output_format: "v1.1"`` with every search).
+ACCEPTED_VALUES: Final = {"output_format": "v1.1"}
 
 router = APIRouter(tags=["mem0"], responses=ERRORS)
 
@@ -163,7 +166,7 @@ class _Mem0Body(BaseModel):
     @model_validator(mode="after")
     def _meaningful(self) -> _Mem0Body:
         for name, value in (self.model_extra or {}).items():
-            if name in ACCEPTED_AS_IS or value is None:
+            if name in ACCEPTED_AS_IS or value is None or ACCEPTED_VALUES.get(name) == value:
                 continue
             raise ValueError(f"{name!r} is not offered by InferScale: "
                              f"{NOT_HERE.get(name, 'unknown field')}")

@@ -34,3 +34,12 @@ def test_any_conversation_id_is_taken_whole_or_refused(conversation):
         return
     assert body.conversation_id == conversation and "\x00" not in conversation
     conversation.encode()  # storable: valid UTF-8
+
+
+def test_mem0s_output_format_is_taken_only_for_the_format_served():
+    """Mem0's TypeScript client sends ``output_format: "v1.1"`` with every search."""
+    from inferscale.serving.mem0_api import SearchBody
+
+    assert SearchBody.model_validate({"query": "q", "user_id": "u", "output_format": "v1.1"})
+    with pytest.raises(ValidationError, match="output_format"):
+        SearchBody.model_validate({"query": "q", "user_id": "u", "output_format": "v1.0"})
