@@ -20,15 +20,12 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import numpy as np
 
-from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.core.local_key import key_for
 from inferscale.core.settings import Settings
-from inferscale.db.engine import create_engine
 from inferscale.devstack.stack import prepare, server_process
 from inferscale.lab.bench.common import percentile, print_table, settings_differing, write_report
-from inferscale.lab.bench.retrieval_latency import store_encoded_facts
+from inferscale.lab.bench.retrieval_latency import store_owner
 from inferscale.lab.bench.soak_timeline import median_ci
 
 FACTS = 20_000
@@ -90,18 +87,7 @@ def run(settings: Settings, out_dir: Path) -> dict:
     """The flood against the defaults and against the unbounded baseline, in one run."""
     settings = prepare(settings)
     user = f"bench-flood-{uuid.uuid4().hex[:8]}"
-    model_path = settings.model_path
-    assert model_path is not None  # prepare() resolves it
-
-    async def store() -> None:
-        engine = create_engine(settings.database_url)
-        try:
-            await store_encoded_facts(engine, [user], FACTS, np.random.default_rng(0),
-                                      model_fingerprint(model_path))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(store())
+    store_owner(settings, user, FACTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     for name, update in (("defaults", {}), ("baseline: filters inline", {

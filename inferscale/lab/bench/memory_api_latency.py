@@ -16,12 +16,9 @@ import uuid
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from inferscale.client import AsyncMemoryClient
-from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.core.settings import Settings
-from inferscale.db.engine import create_engine
 from inferscale.devstack.chat_client import stream_chat
 from inferscale.devstack.stack import server_process, worker_process
 from inferscale.lab.bench.common import (
@@ -30,7 +27,7 @@ from inferscale.lab.bench.common import (
     settings_differing,
     write_report,
 )
-from inferscale.lab.bench.retrieval_latency import store_encoded_facts
+from inferscale.lab.bench.retrieval_latency import store_owner
 from inferscale.lab.bench.ttft import ingest_user, prepare_user
 
 FACTS_PER_OWNER = 10_000
@@ -174,19 +171,7 @@ def run(settings: Settings, data: Path, out_dir: Path, repeats: int = 20) -> dic
     settings, small_user, questions, turns = prepare_user(settings, data, turns_limit=40)
     big_user = f"bench-memory-api-{uuid.uuid4().hex[:8]}"
 
-    model_path = settings.model_path
-    assert model_path is not None  # prepare() resolves it
-
-    async def store() -> None:
-        engine = create_engine(settings.database_url)
-        try:
-            await store_encoded_facts(engine, [big_user], FACTS_PER_OWNER,
-                                      np.random.default_rng(0),
-                                      model_fingerprint(model_path))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(store())
+    store_owner(settings, big_user, FACTS_PER_OWNER)
     out_dir.mkdir(parents=True, exist_ok=True)
     with server_process(settings, out_dir / "server.log") as url:
         reads = asyncio.run(_reads(url, big_user, questions, repeats))

@@ -17,9 +17,11 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import delete, select, text, update
 
+from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.contracts.plan import sign
 from inferscale.core.settings import Settings
 from inferscale.db.encode_queue import register_model
+from inferscale.db.engine import create_engine
 from inferscale.db.reads import top_k_facts
 from inferscale.db.tables import fact_kv, facts
 from inferscale.db.turns import NewFact, upsert_facts
@@ -81,6 +83,23 @@ async def store_encoded_facts(engine, users: list[str], n: int, rng: np.random.G
         for table in ("facts", "fact_kv"):  # the steady state after encoding
             await conn.execute(text(f"VACUUM ANALYZE {table}"))
     return stored[0]
+
+
+def store_owner(settings: Settings, user: str, n: int) -> None:
+    """``store_encoded_facts`` for one owner, encoded for the served model (prepared
+    settings: a database URL and a model path)."""
+    model_path = settings.model_path
+    assert model_path is not None  # ``prepare`` resolves it
+
+    async def store() -> None:
+        engine = create_engine(settings.database_url)
+        try:
+            await store_encoded_facts(engine, [user], n, np.random.default_rng(0),
+                                      model_fingerprint(model_path))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(store())
 
 
 async def _sql_search(engine, user: str, fingerprint: str, vector: np.ndarray, k: int
