@@ -60,7 +60,7 @@ def test_the_right_key_gets_through_and_no_other_caller_does(served, owner):
     with pytest.raises(MemoryAPIError) as anonymous:
         MemoryClient(served.url, api_key="").list_facts(owner)
     assert anonymous.value.status == 401
-    for path in ("/sleep", "/reset_prefix_cache", "/collective_rpc"):  # engine control
+    for path in ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/invocations"):  # admin
         assert httpx.post(served.url + path, json={}, timeout=30).status_code == 401
 
 
