@@ -155,7 +155,7 @@ class Settings(BaseSettings):
         "log end for this long reports the group stalled (error log, gauge, /readyz 503)."))
     max_pending_facts: int = Field(default=2000, description=(
         "facts to encode + turns to extract: pauses consumption"))
-    worker_http_host: str = Field(default="127.0.0.1", description=(
+    worker_http_host: str = Field(default="127.0.0.1", min_length=1, description=(
         "the address worker_http_port listens on (loopback: this machine only; 0.0.0.0 for a "
         "scraper or probe on another host or container)"))
     worker_http_port: int | None = Field(default=None, description=(

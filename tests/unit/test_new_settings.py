@@ -11,7 +11,11 @@ from inferscale.core.settings import Settings
     ("INFERSCALE_EXPIRE_INTERVAL_S", "nan"), ("INFERSCALE_EXPIRE_INTERVAL_S", "inf"),
     ("INFERSCALE_EXPIRE_INTERVAL_S", "soon"), ("INFERSCALE_CHANGES_TOPIC", ""),
     ("INFERSCALE_PINNED_MAX", "-1"), ("INFERSCALE_PINNED_MAX", "257"),
-    ("INFERSCALE_PINNED_MAX", "many"), ("INFERSCALE_CHANGES_WITH_TEXT", "perhaps")])
+    ("INFERSCALE_PINNED_MAX", "many"), ("INFERSCALE_CHANGES_WITH_TEXT", "perhaps"),
+    ("INFERSCALE_MAX_WAITS_PER_KEY", "0"), ("INFERSCALE_FILTER_INLINE_COST", "-1"),
+    ("INFERSCALE_FILTER_MAX_COST", "0"), ("INFERSCALE_METRICS_ACCESS", "everyone"),
+    ("INFERSCALE_VLLM_KEYS_FOR_MEMORY", "maybe"), ("INFERSCALE_WORKER_HTTP_HOST", ""),
+    ("INFERSCALE_RATE_LIMIT_STORAGE", "ftp://x")])
 def test_the_new_settings_refuse_nonsense(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValidationError):
@@ -25,3 +29,11 @@ def test_the_new_settings_take_what_they_document(monkeypatch):
     assert settings.pinned_max == 0 and settings.changes_with_text is True
     assert Settings.model_fields["pinned_max"].default == 16
     assert Settings.model_fields["changes_with_text"].default is False
+    monkeypatch.setenv("INFERSCALE_METRICS_ACCESS", "admin")
+    monkeypatch.setenv("INFERSCALE_RATE_LIMIT_STORAGE", "redis://127.0.0.1:6379")
+    settings = Settings()
+    assert settings.metrics_access == "admin" and settings.rate_limit_storage.startswith("redis")
+    defaults = Settings.model_fields
+    assert defaults["metrics_access"].default == "loopback"
+    assert defaults["vllm_keys_for_memory"].default is False
+    assert defaults["worker_http_host"].default == "127.0.0.1"
