@@ -325,8 +325,8 @@ class Settings(BaseSettings):
         "Recompute auto's thresholds and tail fitted for the served model (calibration.py): "
         "\"auto\" (the profile made for its fingerprint in data_dir/calibration, else a shipped "
         "one), \"off\" (none) or a profile's path. Without a profile a server runs a "
-        "conservative policy and says so at start. The three recompute_auto_* settings, where "
-        "set, win over either."))
+        "conservative policy and says so at start. The recompute_auto_* settings, where set, "
+        "win over either."))
     recompute_auto_margin: float = Field(default=0.5, ge=0, allow_inf_nan=False, description=(
         "Recompute auto: the first-token top-2 logprob margin (nats) under which the tail is "
         "recomputed (default: the served model's calibration; this value where set)."))
@@ -337,6 +337,12 @@ class Settings(BaseSettings):
             "Recompute auto, last step: where the tail-recomputed answer's first-token margin is "
             "still under this (a tie: which token wins is rounding), the request is answered "
             "with every fact prefilled as text, as text prefill answers it. 0: never."))
+    recompute_auto_direct_margin: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False, description=(
+            "Recompute auto, first step: where the answer with every fact injected has a "
+            "first-token margin under this, the tail attempt is skipped and the request is "
+            "answered with every fact as text at once (an answer the tail would not save pays "
+            "two attempts, not three). 0: never."))
     fact_order: Literal["relevance", "time"] = Field(default="relevance", description=(
         "Order of the retrieved facts in the prompt: \"relevance\" (best last, as the paper "
         "does) or \"time\" (the order they were stored in: a user's conversation order)."))

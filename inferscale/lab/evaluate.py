@@ -39,7 +39,12 @@ from inferscale.lab.bench.common import (
     settings_differing,
     write_report,
 )
-from inferscale.lab.fidelity import bootstrap_median_ratio_ci, compare, exact_path_agreement
+from inferscale.lab.fidelity import (
+    bootstrap_median_ratio_ci,
+    compare,
+    exact_path_agreement,
+    served_as_kv,
+)
 from inferscale.lab.scoring import exact_match, locomo_f1
 from inferscale.pipeline.kafka import ensure_topics, kafka_security, publish_turns
 from inferscale.pipeline.sources import locomo_turns
@@ -252,8 +257,9 @@ async def _ask_all(url: str, items: list[dict], plan: list[Config], max_tokens: 
 def summarize(records: list[dict], plan: list[Config]) -> dict:
     """Per configuration: F1, EM, TTFT; inject and prefix-hit configurations also vs their text
     reference (agreement, the ratio of median TTFTs with its paired bootstrap interval), inject
-    ones also over the prefix hit where the plan has it, and their first token against either
-    exact answer (text prefill's or the prefix hit's)."""
+    ones also over the prefix hit where the plan has it, their first token against either
+    exact answer (text prefill's or the prefix hit's), and their agreement split by how each
+    request was served (``served``: with KV, or as text by recompute auto)."""
     by_config = {c.name: [r for r in records if r["config"] == c.name] for c in plan}
     names = {c.name for c in plan}
     summary: dict[str, dict] = {}
@@ -280,6 +286,9 @@ def summarize(records: list[dict], plan: list[Config]) -> dict:
             entry["ttft_ratio_this_over_hit_ci95"] = list(
                 bootstrap_median_ratio_ci(ttfts, hit_ttfts))
             entry["vs_exact"] = exact_path_agreement(reference, by_config[hit], rows)
+        if config.mode == "inject":
+            entry["served"] = served_as_kv(reference, rows, [r.get("recompute_auto") for r in rows],
+                                           by_config[hit] if hit in names else None)
         if config.recompute == "auto":
             entry["auto"] = auto_costs([r.get("recompute_auto") for r in rows],
                                        [r["ttft_s"] for r in rows])
@@ -290,15 +299,17 @@ def summarize(records: list[dict], plan: list[Config]) -> dict:
 def _print(summary: dict) -> None:
     rows = []
     for name, s in summary.items():
-        v = s.get("vs_text")
+        v, served = s.get("vs_text"), s.get("served") or {}
         rows.append([name, s["f1"] * 100, s["ttft_p50_s"] * 1000,
                      s.get("ttft_ratio_this_over_hit", ""),
-                     *([s["ttft_ratio_text_over_this"], v["first_token"], v["first_4"],
-                        v["whole_answer"], v["first_token_kl"], v["f1_gap"] * 100,
+                     *([s["ttft_ratio_text_over_this"], v["first_token"],
+                        served.get("first_token_kv", ""), served.get("served_as_text", ""),
+                        v["first_4"], v["whole_answer"], v["first_token_kl"], v["f1_gap"] * 100,
                         "{:+.1f} .. {:+.1f}".format(*(x * 100 for x in v["f1_gap_ci95"]))]
-                       if v else [""] * 7)])
+                       if v else [""] * 9)])
     print_table(["config", "F1", "TTFT p50 ms", "this/hit TTFT", "text/this TTFT", "first token",
-                 "first 4", "whole answer", "KL first token", "F1 gap", "gap 95% CI"], rows)
+                 "of those served as KV", "as text", "first 4", "whole answer",
+                 "KL first token", "F1 gap", "gap 95% CI"], rows)
 
 
 def pick_questions(samples: list[dict], questions: int, seed: int) -> list[dict]:

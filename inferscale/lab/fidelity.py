@@ -104,6 +104,47 @@ def exact_path_agreement(text: Sequence[dict], hit: Sequence[dict],
             "exact_paths_differ": split / len(rows)}
 
 
+SERVED_AS_TEXT = "text"  # recompute auto's outcome where every fact was prefilled as text
+
+
+def served_as_kv(reference: Sequence[dict], candidate: Sequence[dict],
+                 outcomes: Sequence[str | None], hit: Sequence[dict] | None = None) -> dict:
+    """First-token agreement of ``candidate`` with text prefill (``reference``), split by how
+    each request was answered: an answer recompute auto sent to text agrees by construction,
+    so the figure that says whether KV is faithful is the one over the requests served with KV
+    (``outcomes``: each request's ``x-inferscale-recompute-auto``; None: not under auto, served
+    with KV). With ``hit`` (the prefix hit's answers), agreement with either exact answer too.
+    Also each request's TTFT over text prefill's of the same prompt (p50, p95, and of the
+    requests answered as text, which pay every earlier attempt first)."""
+    if not len(reference) == len(candidate) == len(outcomes) or not reference:
+        raise ValueError("served_as_kv needs the same non-empty question list on all sides")
+    rows = list(zip(reference, candidate, outcomes, strict=True))
+    kv = [(r, c) for r, c, o in rows if o != SERVED_AS_TEXT]
+    agree = sum(same_prefix(r["token_ids"], c["token_ids"], 1) for r, c, _ in rows)
+    kv_agree = sum(same_prefix(r["token_ids"], c["token_ids"], 1) for r, c in kv)
+    ratios = [c["ttft_s"] / r["ttft_s"] for r, c, _ in rows if r["ttft_s"] > 0]
+    as_text = [c["ttft_s"] / r["ttft_s"] for r, c, o in rows
+               if o == SERVED_AS_TEXT and r["ttft_s"] > 0]
+    out = {"questions": len(rows), "first_token": agree / len(rows),
+           "first_token_ci95": list(wilson_interval(agree, len(rows))),
+           "served_as_kv": len(kv) / len(rows), "served_as_text": 1 - len(kv) / len(rows),
+           "first_token_kv": kv_agree / len(kv) if kv else None,
+           "first_token_kv_ci95": list(wilson_interval(kv_agree, len(kv))) if kv else None,
+           "ttft_over_text_p50": float(np.median(ratios)) if ratios else None,
+           "ttft_over_text_p95": float(np.percentile(ratios, 95)) if ratios else None,
+           "as_text_ttft_over_text_p50": float(np.median(as_text)) if as_text else None}
+    if hit is not None:
+        if len(hit) != len(rows):
+            raise ValueError("the prefix hit's answers must be of the same questions")
+        either = [same_prefix(r["token_ids"], c["token_ids"], 1)
+                  or same_prefix(h["token_ids"], c["token_ids"], 1)
+                  for (r, c, _), h in zip(rows, hit, strict=True)]
+        kv_either = [e for e, (_, _, o) in zip(either, rows, strict=True) if o != SERVED_AS_TEXT]
+        out["first_token_either"] = sum(either) / len(rows)
+        out["first_token_kv_either"] = sum(kv_either) / len(kv_either) if kv_either else None
+    return out
+
+
 def compare(reference: Sequence[dict], candidate: Sequence[dict], first_n: int = 4) -> dict:
     """Agreement of ``candidate`` answers with ``reference`` answers to the same questions.
 

@@ -5,15 +5,19 @@ Recompute auto is deterministic given three answers to a question: with every fa
 ``eval fidelity`` run that answers calibration questions all three ways therefore replays any
 policy (margin, text margin, tail) exactly, offline: a request is kept where m = 0's first-token
 top-2 margin reaches ``margin``, else answered by the tail where that answer's margin reaches
-``text_margin``, else as text (which agrees with text prefill by construction). Its TTFT is
-modelled as the measured TTFTs of the attempts it makes (kept: m = 0's; recomputed: m = 0's plus
-the tail's; text: all three), as a streamed request pays them.
+``text_margin``, else as text (which agrees with text prefill by construction); where m = 0's
+margin is under ``direct_margin``, as text at once. Its TTFT is modelled as the measured TTFTs
+of the attempts it makes (kept: m = 0's; recomputed: m = 0's plus the tail's; text: all three,
+or m = 0's and text's where the tail is skipped), as a streamed request pays them.
 
 The fit keeps the cheapest policy (mean modelled TTFT) whose first-token agreement with text
-prefill reaches the target with 95% confidence (Wilson) and whose share of requests answered
-again stays under the bound; where none does, the most faithful one within the bound, marked as
-short of the target. It also returns the Pareto frontier (agreement against mean TTFT), which
-is what a model that cannot reach the target should be judged by.
+prefill reaches the target with 95% confidence (Wilson) and whose shares of requests answered
+again and answered as text stay under their bounds; where none does, the most faithful one
+within the bounds, marked as short of the target. Agreement bought by answering as text is not
+faithfulness of the KV, so every replay also gives the agreement among the requests served with
+KV, and the fit returns the Pareto frontier (agreement against mean TTFT) and the curve of the
+best agreement per bound on the text share: what a model that cannot reach the target should be
+judged by.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+import numpy as np
 
 from inferscale.contracts.fingerprint import model_fingerprint
 from inferscale.core.model_prep import resolve_model_path
@@ -69,6 +75,8 @@ class Replay:
     text_share: float
     ttft_mean_s: float
     text_ttft_mean_s: float
+    first_token_kv: float | None  # the same among requests served with KV (kept, recomputed)
+    ttft_over_text_p95: float  # a request's modelled TTFT over its own text prefill's
 
     @property
     def lower_bound(self) -> float:
@@ -127,34 +135,42 @@ def questions_from(report: dict) -> list[Question]:
 
 
 def replay(questions: Sequence[Question], policy: RecomputePolicy) -> Replay:
-    """Agreement, shares and mean modelled TTFT of ``policy`` over ``questions`` (each must
-    have been answered with ``policy.tail``)."""
+    """Agreement (overall and among requests served with KV), shares and modelled TTFT of
+    ``policy`` over ``questions`` (each must have been answered with ``policy.tail``)."""
     agree = recomputed = text = 0
-    ttfts = []
+    ttfts, ratios = [], []
     for q in questions:
         if q.injected.margin >= policy.margin:
             agree += q.injected.first == q.text.first
-            ttfts.append(q.injected.ttft)
-            continue
-        tail = q.tails[policy.tail]
-        if tail.margin >= policy.text_margin:
+            ttft = q.injected.ttft
+        elif q.injected.margin < policy.direct_margin:  # the tail skipped: text at once
+            text += 1
+            agree += 1
+            ttft = q.injected.ttft + q.text.ttft
+        elif (tail := q.tails[policy.tail]).margin >= policy.text_margin:
             recomputed += 1
             agree += tail.first == q.text.first
-            ttfts.append(q.injected.ttft + tail.ttft)
+            ttft = q.injected.ttft + tail.ttft
         else:
             text += 1
             agree += 1
-            ttfts.append(q.injected.ttft + tail.ttft + q.text.ttft)
+            ttft = q.injected.ttft + tail.ttft + q.text.ttft
+        ttfts.append(ttft)
+        ratios.append(ttft / q.text.ttft if q.text.ttft > 0 else math.inf)
     n = len(questions)
+    served_kv = n - text
     return Replay(policy, n, agree / n, recomputed / n, text / n, statistics.mean(ttfts),
-                  statistics.mean(q.text.ttft for q in questions))
+                  statistics.mean(q.text.ttft for q in questions),
+                  (agree - text) / served_kv if served_kv else None,
+                  float(np.percentile(ratios, 95)))
 
 
 def policies(tails: Iterable[int], grid: Sequence[float] = GRID) -> list[RecomputePolicy]:
-    """Every (margin, text margin, tail) of the grid; a text margin only matters below the
-    margin's reach, so every pair is tried."""
-    return [RecomputePolicy(margin=a, text_margin=t, tail=m)
-            for m in sorted(tails) for a in grid for t in grid]
+    """Every (margin, text margin, tail, direct margin) of the grid; a text margin only
+    matters below the margin's reach, so every pair is tried; a direct margin only up to the
+    margin (above it every abandoned request skips the tail, as at the margin itself)."""
+    return [RecomputePolicy(margin=a, text_margin=t, tail=m, direct_margin=d)
+            for m in sorted(tails) for a in grid for t in grid for d in grid if d <= a]
 
 
 def frontier(replays: Iterable[Replay]) -> list[Replay]:
@@ -166,44 +182,70 @@ def frontier(replays: Iterable[Replay]) -> list[Replay]:
     return best
 
 
-def choose(replays: Sequence[Replay], target: float, max_answered_again: float
-           ) -> tuple[Replay, bool]:
+def choose(replays: Sequence[Replay], target: float, max_answered_again: float,
+           max_text_share: float = 1.0) -> tuple[Replay, bool]:
     """The cheapest replay whose agreement reaches ``target`` with 95% confidence (the Wilson
     interval's lower end: a few hundred calibration answers must not pick a policy that only
     this sample favours) with at most ``max_answered_again`` of requests recomputed or sent to
-    text, and whether it reached the target (if none does: the most faithful within the bound,
-    then the cheapest of those)."""
-    within = [r for r in replays if r.recomputed_share + r.text_share <= max_answered_again]
+    text and at most ``max_text_share`` sent to text (an answer as text agrees by construction:
+    without a bound, agreement is bought by not serving KV), and whether it reached the target
+    (if none does: the most faithful within the bounds, then the cheapest of those)."""
+    within = [r for r in replays if r.recomputed_share + r.text_share <= max_answered_again
+              and r.text_share <= max_text_share]
     if not within:
-        raise ValueError(f"no policy answers again at most {max_answered_again:.0%} of requests")
+        raise ValueError(f"no policy answers again at most {max_answered_again:.0%} of requests "
+                         f"with at most {max_text_share:.0%} as text")
     reaching = [r for r in within if r.lower_bound >= target]
     if reaching:
         return min(reaching, key=lambda r: (r.ttft_mean_s, -r.first_token)), True
     return min(within, key=lambda r: (-r.first_token, r.ttft_mean_s)), False
 
 
-def fit(questions: Sequence[Question], target: float, max_answered_again: float) -> dict:
-    """The chosen policy and the evidence: its replay overall and per k, and the frontier."""
+def text_share_curve(replays: Iterable[Replay],
+                     bounds: Sequence[float] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5)
+                     ) -> list[dict]:
+    """Per bound on the share answered as text, the most faithful policy within it (then the
+    cheapest): agreement against how much of it is bought by not serving KV."""
+    pool = list(replays)
+    curve = []
+    for bound in bounds:
+        within = [r for r in pool if r.text_share <= bound]
+        if within:
+            best = min(within, key=lambda r: (-r.first_token, r.ttft_mean_s))
+            curve.append({"max_text_share": bound, **best.summary()})
+    return curve
+
+
+def fit(questions: Sequence[Question], target: float, max_answered_again: float,
+        max_text_share: float = 1.0) -> dict:
+    """The chosen policy and the evidence: its replay overall and per k, the frontier and the
+    curve of agreement against the share answered as text."""
     if not questions:
         raise ValueError("no question was answered as text, with m = 0 and with a tail")
     tails = set.intersection(*(set(q.tails) for q in questions))
     replays = [replay(questions, p) for p in policies(tails)]
-    chosen, reached = choose(replays, target, max_answered_again)
+    chosen, reached = choose(replays, target, max_answered_again, max_text_share)
     per_k = {str(k): replay([q for q in questions if q.k == k], chosen.policy).summary()
              for k in sorted({q.k for q in questions})}
     return {"policy": chosen.policy, "target": {"first_token": target,
                                                 "max_answered_again": max_answered_again,
+                                                "max_text_share": max_text_share,
                                                 "reached": reached},
             "reached": chosen.summary(), "per_k": per_k,
-            "frontier": [r.summary() for r in frontier(replays)]}
+            "frontier": [r.summary() for r in frontier(replays)],
+            "text_share_curve": text_share_curve(replays)}
 
 
 def _table(summaries: Sequence[dict]) -> None:
-    print_table(["margin", "text margin", "tail", "first token", "95% CI", "recomputed",
-                 "as text", "text / this TTFT (mean)"],
+    print_table(["margin", "text margin", "tail", "direct", "first token", "95% CI",
+                 "served as KV: first token", "recomputed", "as text", "text / this TTFT (mean)",
+                 "this / text p95"],
                 [[s["policy"]["margin"], s["policy"]["text_margin"], s["policy"]["tail"],
-                  s["first_token"], "{:.3f}..{:.3f}".format(*s["first_token_ci95"]),
-                  s["recomputed_share"], s["text_share"], s["speedup_mean"]]
+                  s["policy"]["direct_margin"], s["first_token"],
+                  "{:.3f}..{:.3f}".format(*s["first_token_ci95"]),
+                  "" if s["first_token_kv"] is None else s["first_token_kv"],
+                  s["recomputed_share"], s["text_share"], s["speedup_mean"],
+                  s["ttft_over_text_p95"]]
                  for s in summaries])
 
 
@@ -211,7 +253,8 @@ def run(settings: Settings, data: Path | None, out_dir: Path, *, records: Path |
         conversations: tuple[int, ...] = (1,), questions: int = 1000,
         ks: tuple[int, ...] = (20, 50), tails: tuple[int, ...] = (2, 4),
         max_turns: int | None = None, seed: int = 0, target: float = 0.95,
-        max_answered_again: float = 0.5, profile_out: Path | None = None) -> Path:
+        max_answered_again: float = 0.5, max_text_share: float = 0.2,
+        profile_out: Path | None = None) -> Path:
     """Answer the calibration questions as text, with m = 0 and with each tail (or read such a
     run's report), fit, and write the served model's profile; returns its path."""
     if records is None:
@@ -230,15 +273,17 @@ def run(settings: Settings, data: Path | None, out_dir: Path, *, records: Path |
     if report.get("fingerprint", fingerprint) != fingerprint:
         raise ValueError(f"{records} was answered by model {report.get('model')} "
                          f"({report['fingerprint'][:16]}), not the served model")
-    result = fit(questions_from(report), target, max_answered_again)
+    result = fit(questions_from(report), target, max_answered_again, max_text_share)
     _table(result["frontier"])
+    print("the most faithful policy per bound on the share answered as text:")
+    _table(result["text_share_curve"])
     chosen = result["reached"]
     print(f"chosen: {chosen['policy']} first token {chosen['first_token']:.1%} "
           f"(target {'reached' if result['target']['reached'] else 'NOT reached'})")
     profile = Profile(model=model_path.name, fingerprint=fingerprint, recompute=result["policy"],
                       fit=Fit.model_validate({
                           **{key: result[key] for key in ("target", "reached", "per_k",
-                                                          "frontier")},
+                                                          "frontier", "text_share_curve")},
                           "made_from": {"answered_at": report.get("source"),
                                         "fitted_at": source(), "data": report.get("data"),
                                         "settings_differing": report.get("settings_differing"),

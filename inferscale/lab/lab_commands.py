@@ -157,6 +157,7 @@ def _calibrate(args: argparse.Namespace, settings: Settings) -> int:
                           questions=args.questions, ks=tuple(args.k), tails=tuple(args.tails),
                           max_turns=args.max_turns or None, seed=args.seed, target=args.target,
                           max_answered_again=args.max_answered_again,
+                          max_text_share=args.max_text_share,
                           profile_out=Path(args.out) if args.out else None)
         return 0
     if args.data is None:
@@ -293,6 +294,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="recompute: first-token agreement with text prefill to reach")
     p.add_argument("--max-answered-again", type=float, default=0.5,
                    help="recompute: bound on the share of requests recomputed or sent to text")
+    p.add_argument("--max-text-share", type=float, default=0.2,
+                   help="recompute: bound on the share of requests answered as text (they agree "
+                        "by construction; 0.2: at least 80%% served as KV)")
     p.add_argument("--runs-out", default="bench-out/calibrate",
                    help="recompute: where the calibration run's answers and logs go")
     p.set_defaults(func=_calibrate)

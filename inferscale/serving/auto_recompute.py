@@ -11,7 +11,10 @@ m = 0 got wrong had a margin of at most 1 nat, and a threshold of 0.5 recomputes
 requests for the agreement of recomputing all of them (``docs/results/fidelity.md``). Where the
 tail-recomputed answer is itself a near tie (margin under ``text_threshold``), that attempt is
 abandoned the same way and the request answered a third time with every fact as text: ties are
-what injected and prefilled answers still disagree on.
+what injected and prefilled answers still disagree on. Where the first margin is under
+``direct_threshold`` the tail attempt is skipped: such a request goes to text at once and pays
+two attempts, not three (``docs/results/models.md``: a fallback cost 1.4-1.75x text prefill
+with all three).
 
 Logprobs the client did not ask for are removed from what it receives (to the count it asked
 for where it asked for fewer). Pure logic over ASGI messages: the front end wires it.
@@ -39,12 +42,19 @@ class AutoRecompute:
     client_top_logprobs: int | None  # what the client asked for (None: no logprobs)
     tail: int  # facts recomputed by the second attempt
     text_threshold: float = 0.0  # nats: the second attempt's margin below it: all as text
+    direct_threshold: float = 0.0  # nats: the first attempt's margin below it: text at once
 
     def then(self) -> AutoRecompute | None:
         """The gate of the tail-recomputed attempt (None: that attempt answers)."""
         if self.text_threshold <= 0:
             return None
-        return replace(self, threshold=self.text_threshold, text_threshold=0.0)
+        return replace(self, threshold=self.text_threshold, text_threshold=0.0,
+                       direct_threshold=0.0)
+
+    def skips_tail(self, margin: float | None) -> bool:
+        """Whether an abandoned first attempt's margin is so low that the tail would not save
+        it: the request goes to text at once (it pays two attempts, not three)."""
+        return margin is not None and margin < self.direct_threshold
 
 
 def client_top_logprobs(data: dict[str, Any]) -> int | None:

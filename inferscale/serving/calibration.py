@@ -2,14 +2,16 @@
 
 Recompute auto (``auto_recompute.py``) keeps an injected answer whose first-token top-2 margin
 reaches ``margin``, else answers again with the best ``tail`` facts prefilled, and answers a
-third time with every fact as text where that margin is under ``text_margin``. How often the
+third time with every fact as text where that margin is under ``text_margin`` (at once, the
+tail skipped, where the first margin is under ``direct_margin``). How often the
 injected first token follows text prefill's at a given margin is a property of the model: the
 margins that give SmolLM2-135M 95% leave Gemma 3 270M at 81%. ``inferscale calibrate
 recompute`` (the lab) replays the policy over answers of calibration conversations and writes a
 profile; the server uses the profile made for its model's fingerprint and says so at start.
 
 A profile is JSON: ``{"model": <folder name>, "fingerprint": <sha256 of the model>,
-"recompute": {"margin": nats, "text_margin": nats, "tail": facts}, "fit": {...}}``
+"recompute": {"margin": nats, "text_margin": nats, "tail": facts, "direct_margin": nats}, "fit":
+{...}}`` (``direct_margin`` optional, 0 by default)
 (``fit``: what it was fitted on and reached; only ``fit.reached`` and ``fit.target`` are read,
 for the start-up line). Where it is looked
 for (``INFERSCALE_CALIBRATION``): ``auto`` (``<data_dir>/calibration/<fingerprint>.json``, else
@@ -34,7 +36,7 @@ log = logging.getLogger("inferscale.serving.calibration")
 SHIPPED_DIR = Path(__file__).parent.parent / "data" / "calibration"
 MAX_FILE_BYTES = 1 << 20
 SETTINGS = {"margin": "recompute_auto_margin", "text_margin": "recompute_auto_text_margin",
-            "tail": "recompute_auto_tail"}
+            "tail": "recompute_auto_tail", "direct_margin": "recompute_auto_direct_margin"}
 Nats = Annotated[float, Field(ge=0.0, le=1000.0, allow_inf_nan=False)]
 
 
@@ -50,6 +52,7 @@ class RecomputePolicy(BaseModel):
     margin: Nats
     text_margin: Nats
     tail: int = Field(ge=0, le=200)
+    direct_margin: Nats = 0.0  # an m = 0 margin under it: text at once, the tail skipped
 
 
 class Reached(BaseModel):

@@ -157,12 +157,14 @@ class MemoryFrontend:
         """``"recompute": "auto"``: the m = 0 attempt behind a ``FirstTokenGate``; where the
         gate abandons it, the request answered again with the tail recomputed, behind a gate of
         its own where ``text_threshold`` is set; where that one abandons too, with every fact
-        as text."""
+        as text (at once, the tail skipped, where the first margin is under
+        ``direct_threshold``)."""
         step = rewritten.auto
         assert step is not None and rewritten.retry is not None
         body, headers = rewritten.body, rewritten.headers
         margins: dict[str, str] = {}
-        for outcome, margin_header in zip(OUTCOMES, (*MARGIN_HEADERS, None), strict=True):
+        outcomes = iter(zip(OUTCOMES, (*MARGIN_HEADERS, None), strict=True))
+        for outcome, margin_header in outcomes:
             answered = {**headers, **margins, "x-inferscale-recompute-auto": outcome}
             if step is None or margin_header is None:
                 M.auto_recompute.labels(outcome).inc()
@@ -175,9 +177,12 @@ class MemoryFrontend:
                     M.auto_recompute.labels(outcome).inc()
                 return
             margins[margin_header] = f"{gate.margin:.3f}"
-            step = step.then()
+            tail = outcome == "kept" and not step.skips_tail(gate.margin)
+            if outcome == "kept" and not tail:
+                next(outcomes)  # the tail attempt is skipped: every fact as text next
+            step = step.then() if tail else None
             try:
-                body, headers = await rewritten.retry(outcome == "kept", step is not None)
+                body, headers = await rewritten.retry(tail, step is not None)
             except FrontendError as exc:
                 return await send_error(send, exc.status, exc.message, exc.headers)
             except Exception as exc:  # noqa: BLE001 - as for the first attempt
@@ -257,7 +262,8 @@ class MemoryFrontend:
             return _Rewritten(*await self._memory_body(rt, data, owner, recomputed, messages,
                                                        query))
         auto = AutoRecompute(options.recompute_margin, client_top_logprobs(data), tail,
-                             options.recompute_text_margin)
+                             options.recompute_text_margin,
+                             self.settings.recompute_auto_direct_margin)
         original = dict(data)
 
         async def retry(tail_only: bool, gated: bool) -> tuple[bytes, dict[str, str]]:

@@ -43,6 +43,8 @@ def _count(outcome: str) -> float:
 
 @pytest.mark.parametrize(("margins", "text_threshold", "outcome", "margin_headers"), [
     ({"kept": 0.9}, 0.125, "kept", {"x-inferscale-first-margin": "0.900"}),
+    # under the direct threshold (0.1): the tail is skipped, every fact as text at once
+    ({"kept": 0.05, "text": 0.0}, 0.125, "text", {"x-inferscale-first-margin": "0.050"}),
     ({"kept": 0.1, "recomputed": 0.5}, 0.125, "recomputed",
      {"x-inferscale-first-margin": "0.100", "x-inferscale-tail-margin": "0.500"}),
     ({"kept": 0.1, "recomputed": 0.0, "text": 0.0}, 0.125, "text",
@@ -62,7 +64,7 @@ async def test_one_attempt_answers_whole_with_the_headers_that_decided(
 
     rewritten = _Rewritten(json.dumps({"attempt": "kept", "stream": True}).encode(),
                            {"x-inferscale-attempt": "kept"},
-                           AutoRecompute(0.5, None, 2, text_threshold), retry)
+                           AutoRecompute(0.5, None, 2, text_threshold, 0.1), retry)
     sent: list[dict] = []
 
     async def send(message):
@@ -90,8 +92,10 @@ async def test_one_attempt_answers_whole_with_the_headers_that_decided(
     assert body.endswith(b"data: [DONE]\n\n")
     if outcome != "text" and text_threshold:  # a gate read it: the client asked for none
         assert all(e["choices"][0]["logprobs"] is None for e in events)
+    skipped = margins["kept"] < 0.1
     expected = {"kept": [], "recomputed": [("recomputed", text_threshold > 0)],
-                "text": [("recomputed", True), ("text", False)]}[outcome]
+                "text": [("text", False)] if skipped
+                else [("recomputed", True), ("text", False)]}[outcome]
     assert asked == expected
     assert {o: _count(o) - before[o] for o in before} == {
         o: float(o == outcome) for o in before}
@@ -103,6 +107,7 @@ async def test_one_attempt_answers_whole_with_the_headers_that_decided(
      [("kept", 1), ("recomputed", 1), ("recomputed", 64)]),
     ({"kept": 0.1, "recomputed": 0.0, "text": 0.0}, "text",
      [("kept", 1), ("recomputed", 1), ("text", 64)]),
+    ({"kept": 0.05, "text": 0.0}, "text", [("kept", 1), ("text", 64)]),  # under direct: no tail
 ])
 async def test_non_streamed_attempts_are_decided_by_a_one_token_probe(margins, outcome, asked):
     """Each gated attempt is first asked for one token; only the one that answers generates
@@ -128,7 +133,7 @@ async def test_non_streamed_attempts_are_decided_by_a_one_token_probe(margins, o
 
     rewritten = _Rewritten(json.dumps({"attempt": "kept", "max_tokens": 64}).encode(),
                            {"x-inferscale-attempt": "kept"},
-                           AutoRecompute(0.5, None, 2, 0.125), retry)
+                           AutoRecompute(0.5, None, 2, 0.125, 0.1), retry)
     sent: list[dict] = []
 
     async def send(message):

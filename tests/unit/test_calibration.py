@@ -99,7 +99,7 @@ def test_the_server_serves_the_profile_and_says_so(tmp_path):
     _write(profile_path(tmp_path, FINGERPRINT), _profile())
     chosen, line = calibrated(Settings(data_dir=tmp_path), FINGERPRINT)
     assert chosen == {"recompute_auto_margin": 1.0, "recompute_auto_text_margin": 0.25,
-                      "recompute_auto_tail": 4}
+                      "recompute_auto_tail": 4, "recompute_auto_direct_margin": 0.0}
     assert "96.0%" in line and FINGERPRINT[:16] in line and "short" not in line
     _write(profile_path(tmp_path, FINGERPRINT), {**_profile(), "fit": {
         "reached": {"first_token": 0.91, "n": 200},
@@ -112,7 +112,8 @@ def test_an_uncalibrated_model_gets_the_conservative_policy_and_is_told(tmp_path
     chosen, line = calibrated(Settings(data_dir=tmp_path), OTHER)
     assert chosen == {"recompute_auto_margin": UNCALIBRATED.margin,
                       "recompute_auto_text_margin": UNCALIBRATED.text_margin,
-                      "recompute_auto_tail": UNCALIBRATED.tail}
+                      "recompute_auto_tail": UNCALIBRATED.tail,
+                      "recompute_auto_direct_margin": UNCALIBRATED.direct_margin}
     assert "no calibration" in line
     off, _ = calibrated(Settings(data_dir=tmp_path, calibration="off"), FINGERPRINT)
     assert off == chosen
@@ -122,8 +123,24 @@ def test_what_the_operator_set_wins_over_the_profile(tmp_path, monkeypatch):
     _write(profile_path(tmp_path, FINGERPRINT), _profile())
     monkeypatch.setenv("INFERSCALE_RECOMPUTE_AUTO_TEXT_MARGIN", "0.625")
     chosen, line = calibrated(Settings(data_dir=tmp_path), FINGERPRINT)
-    assert chosen == {"recompute_auto_margin": 1.0, "recompute_auto_tail": 4}
+    assert chosen == {"recompute_auto_margin": 1.0, "recompute_auto_tail": 4,
+                      "recompute_auto_direct_margin": 0.0}
     assert "recompute_auto_text_margin 0.625" in line and "set by you" in line
+
+
+def test_a_profile_may_skip_the_tail_for_hopeless_answers(tmp_path):
+    """``direct_margin`` (optional: profiles made before it still load) reaches its setting;
+    a negative one is refused by name."""
+    profile = _profile()
+    profile["recompute"] = {**profile["recompute"], "direct_margin": 0.375}
+    _write(profile_path(tmp_path, FINGERPRINT), profile)
+    chosen, line = calibrated(Settings(data_dir=tmp_path), FINGERPRINT)
+    assert chosen["recompute_auto_direct_margin"] == 0.375
+    assert "recompute_auto_direct_margin 0.375" in line
+    profile["recompute"]["direct_margin"] = -1.0
+    _write(profile_path(tmp_path, FINGERPRINT), profile)
+    with pytest.raises(CalibrationError, match="direct_margin|greater than"):
+        calibrated(Settings(data_dir=tmp_path), FINGERPRINT)
 
 
 def test_a_child_process_can_tell_what_was_set(tmp_path, monkeypatch):

@@ -186,3 +186,33 @@ def test_eval_refuses_key_scale_strengths_outside_0_1(raw, capsys):
     assert parse("on", "off", "0.5", "1").key_scales == [None, 0.0, 0.5, 1.0]
     assert [c.name for c in configs([20], [("turns", 5)], [0], key_scales=(None, 0.0, 0.5))][2:] \
         == ["inject k=20 w=5 m=0", "inject k=20 w=5 m=0 unscaled", "inject k=20 w=5 m=0 scales^0.5"]
+
+
+def test_agreement_is_split_by_how_each_request_was_served():
+    """An answer recompute auto sent to text agrees by construction: the figure for the KV is
+    the one over the requests served with it, and the text share says how much was bought."""
+    from inferscale.lab.fidelity import served_as_kv
+
+    def answers(*pairs: tuple[int, float]) -> list[dict]:
+        return [{"token_ids": [first, 1], "ttft_s": ttft} for first, ttft in pairs]
+
+    text = answers((1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0))
+    served = answers((1, 0.2), (9, 0.2), (3, 1.5), (4, 2.6))  # kept, kept (wrong), text, text
+    got = served_as_kv(text, served, ["kept", "recomputed", "text", "text"])
+    assert got["first_token"] == pytest.approx(0.75)
+    assert (got["served_as_kv"], got["served_as_text"]) == (0.5, 0.5)
+    assert got["first_token_kv"] == pytest.approx(0.5)
+    assert got["first_token_kv_ci95"][0] < 0.5 < got["first_token_kv_ci95"][1]
+    assert got["as_text_ttft_over_text_p50"] == pytest.approx(1.4)
+    assert got["ttft_over_text_p95"] > 1.4 > got["ttft_over_text_p50"]
+    hit = answers((1, 0.1), (9, 0.1), (3, 0.1), (4, 0.1))  # the hit's near-tie flips question 1
+    either = served_as_kv(text, served, ["kept", "kept", "text", "text"], hit)
+    assert either["first_token_kv_either"] == 1.0 and either["first_token_either"] == 1.0
+    not_auto = served_as_kv(text, served, [None] * 4)  # a fixed m: every request is KV
+    assert not_auto["served_as_text"] == 0 and not_auto["first_token_kv"] == 0.75
+    all_text = served_as_kv(text, text, ["text"] * 4)
+    assert all_text["first_token_kv"] is None and all_text["first_token"] == 1.0
+    with pytest.raises(ValueError):
+        served_as_kv(text, served[:3], ["kept"] * 3)
+    with pytest.raises(ValueError):
+        served_as_kv(text, served, ["kept"] * 4, hit[:2])

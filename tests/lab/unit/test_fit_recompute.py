@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from inferscale.lab.evaluate import configs
 from inferscale.lab.fit_recompute import (
+    GRID,
     Attempt,
     Question,
     choose,
@@ -17,6 +18,7 @@ from inferscale.lab.fit_recompute import (
     policies,
     questions_from,
     replay,
+    text_share_curve,
 )
 from inferscale.serving.calibration import RecomputePolicy
 
@@ -43,6 +45,45 @@ def test_replay_follows_the_three_attempts():
     assert r.ttft_mean_s == pytest.approx((0.1 + 0.3 + 0.8) / 3)
     kept_all = replay(qs, RecomputePolicy(margin=0.0, text_margin=0.0, tail=2))
     assert kept_all.first_token == pytest.approx(1 / 3) and kept_all.text_share == 0
+
+
+def test_a_hopeless_first_margin_skips_the_tail_and_pays_two_attempts():
+    qs = [_q((2, 0.05), (2, 0.05)),  # hopeless: text at once
+          _q((2, 0.3), (1, 1.0))]  # unsure, not hopeless: the tail answers
+    r = replay(qs, RecomputePolicy(margin=0.5, text_margin=0.125, tail=2, direct_margin=0.1))
+    assert (r.text_share, r.recomputed_share, r.first_token) == (0.5, 0.5, 1.0)
+    assert r.ttft_mean_s == pytest.approx(((0.1 + 0.5) + (0.1 + 0.2)) / 2)
+    three = replay(qs, RecomputePolicy(margin=0.5, text_margin=0.125, tail=2))
+    assert three.ttft_mean_s == pytest.approx(((0.1 + 0.2 + 0.5) + (0.1 + 0.2)) / 2)
+    assert r.ttft_over_text_p95 < three.ttft_over_text_p95
+
+
+def test_agreement_of_the_requests_served_as_kv_leaves_out_those_answered_as_text():
+    qs = [_q((1, 2.0), (1, 2.0))] * 6 + [_q((2, 2.0), (2, 2.0))] * 2 + [_q((2, 0.1), (2, 0.0))] * 2
+    r = replay(qs, RecomputePolicy(margin=0.5, text_margin=0.125, tail=2))
+    assert r.first_token == pytest.approx(0.8) and r.text_share == pytest.approx(0.2)
+    assert r.first_token_kv == pytest.approx(6 / 8)  # the text answers agree by construction
+    everything_as_text = replay(qs, RecomputePolicy(margin=1000.0, text_margin=1000.0,
+                                                    tail=2, direct_margin=1000.0))
+    assert everything_as_text.first_token == 1.0 and everything_as_text.first_token_kv is None
+
+
+def test_a_bound_on_the_text_share_keeps_agreement_from_being_bought_with_text():
+    qs = [_q((1, 3.0), (1, 3.0))] * 70 + [_q((2, 0.3), (2, 0.0))] * 30  # only text saves these
+    free = fit(qs, target=0.95, max_answered_again=1.0)
+    assert free["target"]["reached"] and free["reached"]["text_share"] == pytest.approx(0.3)
+    bounded = fit(qs, target=0.95, max_answered_again=1.0, max_text_share=0.2)
+    assert not bounded["target"]["reached"]
+    assert bounded["reached"]["text_share"] <= 0.2
+    curve = bounded["text_share_curve"]
+    assert [c["max_text_share"] for c in curve] == sorted(c["max_text_share"] for c in curve)
+    assert all(c["text_share"] <= c["max_text_share"] for c in curve)
+    agreement = [c["first_token"] for c in curve]
+    assert agreement == sorted(agreement) and agreement[-1] == 1.0
+    with pytest.raises(ValueError, match="as text"):
+        choose([replay(qs, RecomputePolicy(margin=1000.0, text_margin=1000.0, tail=2))],
+               0.95, 1.0, max_text_share=0.1)
+    assert text_share_curve([]) == []
 
 
 def test_the_fit_takes_the_cheapest_policy_that_reaches_the_target():
@@ -87,7 +128,7 @@ QUESTIONS = st.lists(st.builds(_q, ATTEMPT, ATTEMPT, st.integers(0, 3)), min_siz
 @settings(max_examples=60, deadline=None)
 @given(QUESTIONS, st.floats(0.5, 1.0), st.floats(0.0, 1.0))
 def test_the_choice_is_feasible_and_none_cheaper_is(qs, target, bound):
-    replays = [replay(qs, p) for p in policies([2])]
+    replays = [replay(qs, p) for p in policies([2], GRID[::4])]
     chosen, reached = choose(replays, target, bound)
     assert chosen.recomputed_share + chosen.text_share <= bound
     feasible = [r for r in replays if r.recomputed_share + r.text_share <= bound
