@@ -253,7 +253,7 @@ def run(settings: Settings, data: Path | None, out_dir: Path, *, records: Path |
         conversations: tuple[int, ...] = (1,), questions: int = 1000,
         ks: tuple[int, ...] = (20, 50), tails: tuple[int, ...] = (2, 4),
         max_turns: int | None = None, seed: int = 0, target: float = 0.95,
-        max_answered_again: float = 0.5, max_text_share: float = 0.2,
+        max_answered_again: float = 0.5, max_text_share: float = 0.5,
         profile_out: Path | None = None) -> Path:
     """Answer the calibration questions as text, with m = 0 and with each tail (or read such a
     run's report), fit, and write the served model's profile; returns its path."""

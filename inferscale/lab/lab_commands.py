@@ -294,7 +294,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="recompute: first-token agreement with text prefill to reach")
     p.add_argument("--max-answered-again", type=float, default=0.5,
                    help="recompute: bound on the share of requests recomputed or sent to text")
-    p.add_argument("--max-text-share", type=float, default=0.2,
+    p.add_argument("--max-text-share", type=float, default=0.5,
                    help="recompute: bound on the share of requests answered as text (they agree "
                         "by construction; 0.2: at least 80%% served as KV)")
     p.add_argument("--runs-out", default="bench-out/calibrate",
