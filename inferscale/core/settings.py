@@ -343,6 +343,11 @@ class Settings(BaseSettings):
             "first-token margin under this, the tail attempt is skipped and the request is "
             "answered with every fact as text at once (an answer the tail would not save pays "
             "two attempts, not three). 0: never."))
+    record_conversations: bool = Field(default=False, description=(
+        "Memory that records its own conversations, by default: a memory-bearing chat "
+        "completion that ends with 200 publishes the user's new messages and the answer as "
+        "turns of its owner (a request's \"record\" / X-InferScale-Record overrides it; the key "
+        "must be allowed to write)."))
     fact_order: Literal["relevance", "time"] = Field(default="relevance", description=(
         "Order of the retrieved facts in the prompt: \"relevance\" (best last, as the paper "
         "does) or \"time\" (the order they were stored in: a user's conversation order)."))

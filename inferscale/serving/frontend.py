@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from starlette._utils import get_route_path
 
+from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.plan import PLAN_KEY, sign
 from inferscale.core.local_key import is_loopback_host
 from inferscale.core.settings import Settings, get_settings
@@ -51,6 +52,12 @@ from inferscale.serving.auto_recompute import (
 from inferscale.serving.browser_guard import BODY_METHODS, check_request
 from inferscale.serving.cache_salt import CacheSalts
 from inferscale.serving.compose import MemoryRuntime, chat_messages, compose
+from inferscale.serving.conversation_record import (
+    AnswerCapture,
+    Recording,
+    new_messages,
+    request_id,
+)
 from inferscale.serving.guards import (
     FrontendError,
     parse_request,
@@ -59,7 +66,7 @@ from inferscale.serving.guards import (
 )
 from inferscale.serving.mem0_api import token_as_bearer
 from inferscale.serving.memory_api import memory_endpoints, serve_memory
-from inferscale.serving.memory_ops import named_scope
+from inferscale.serving.memory_ops import named_scope, publish_turns
 from inferscale.serving.memory_service import EngineMemory
 from inferscale.serving.metrics import FRONTEND_METRICS as M
 from inferscale.serving.request_options import (
@@ -85,6 +92,7 @@ class MemoryFrontend:
         self.settings = settings or get_settings()
         self.memory = EngineMemory(self.settings)
         self.access = self.memory.access
+        self._publishing: set[asyncio.Task[None]] = set()  # recorded turns on their way
         self.salts = CacheSalts(self.settings.plan_secret or "")
         self._routes: RoutePolicy | None = None  # built at the first request (routes added)
         # vLLM's own --api-key check is ours (``serve.py`` keeps it from vLLM's command line, so
@@ -144,6 +152,8 @@ class MemoryFrontend:
             log.exception("memory front end failed")
             return await send_error(send, 503, f"memory unavailable: {type(exc).__name__}")
         client = Downstream(receive)
+        if rewritten.recording is not None:
+            send = self._recorder(send, rewritten.recording)
         try:
             if rewritten.auto is None:
                 return await self.app(with_length(scope, rewritten.body),
@@ -152,6 +162,27 @@ class MemoryFrontend:
             await self._answer_auto(scope, client, send, rewritten)
         finally:
             client.close()
+
+    def _recorder(self, send, recording: Recording):
+        """``send`` that says which turns the response records and, once it has completed,
+        publishes them in the background (``conversation_record.py``)."""
+        def publish(answer: str) -> None:
+            task = asyncio.get_running_loop().create_task(
+                self._publish_turns(recording.turns(answer)))
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
+
+        return AnswerCapture(adding(send, recording.headers()), publish)
+
+    async def _publish_turns(self, turns: list[TurnEvent]) -> None:
+        try:
+            await publish_turns(self.memory, turns)
+        except Exception as exc:  # noqa: BLE001 - off the answer: logged and counted
+            log.warning("recording %d turns of %s failed: %s", len(turns), turns[0].user_id,
+                        getattr(exc, "detail", exc))
+            M.recorded_turns.labels("failed").inc(len(turns))
+            return
+        M.recorded_turns.labels("published").inc(len(turns))
 
     async def _answer_auto(self, scope, client: Downstream, send, rewritten: _Rewritten):
         """``"recompute": "auto"``: the m = 0 attempt behind a ``FirstTokenGate``; where the
@@ -251,16 +282,19 @@ class MemoryFrontend:
         if owner is None:
             return _Rewritten(json.dumps(data).encode())
         self.access.authorize(headers, owner, scope=named_scope(options.scope, options.where),
-                              client=client)
+                              client=client, write=options.record)
         messages, query = chat_messages(data)
+        recording = (Recording(owner, options, request_id(headers), new_messages(messages))
+                     if options.record else None)
         rt = await self.memory.runtime()
         if options.recompute != "auto":
-            return _Rewritten(*await self._memory_body(rt, data, owner, options, messages, query))
+            return _Rewritten(*await self._memory_body(rt, data, owner, options, messages, query),
+                              recording=recording)
         tail = self.settings.recompute_auto_tail
         recomputed = options.model_copy(update={"recompute": tail})
         if options.mode != "inject" or data.get("n") not in (None, 1) or tail == 0:
             return _Rewritten(*await self._memory_body(rt, data, owner, recomputed, messages,
-                                                       query))
+                                                       query), recording=recording)
         auto = AutoRecompute(options.recompute_margin, client_top_logprobs(data), tail,
                              options.recompute_text_margin,
                              self.settings.recompute_auto_direct_margin)
@@ -278,7 +312,7 @@ class MemoryFrontend:
         ask_for_margin(data)
         body, extra = await self._memory_body(
             rt, data, owner, options.model_copy(update={"recompute": 0}), messages, query)
-        return _Rewritten(body, extra, auto, retry)
+        return _Rewritten(body, extra, auto, retry, recording)
 
     async def _memory_body(self, rt: MemoryRuntime, data: dict, owner: str,
                            options: MemoryOptions, messages: list[dict], query: str
@@ -326,3 +360,4 @@ class _Rewritten:
     auto: AutoRecompute | None = None
     # (tail only, else every fact as text; whether a gate reads the answer's margin)
     retry: Callable[[bool, bool], Awaitable[tuple[bytes, dict[str, str]]]] | None = None
+    recording: Recording | None = None  # the turns this request records once answered

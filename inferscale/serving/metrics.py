@@ -19,6 +19,7 @@ class _FrontendMetrics:
     reencodes_wanted: Counter
     purged_blobs: Counter
     auto_recompute: Counter
+    recorded_turns: Counter
 
 
 FRONTEND_METRICS = _FrontendMetrics(
@@ -35,6 +36,9 @@ FRONTEND_METRICS = _FrontendMetrics(
                              "Served facts whose KV was evicted, marked to be encoded again"),
     purged_blobs=Counter("inferscale_purged_blobs",
                          "Invalidated blobs dropped from the workers' host/device tiers"),
+    recorded_turns=Counter("inferscale_recorded_turns",
+                           "Turns of conversations recorded (\"record\": true), by outcome",
+                           ["outcome"]),
     auto_recompute=Counter("inferscale_recompute_auto",
                            "Requests under recompute auto by the attempt that answered: kept "
                            "(every fact injected), recomputed (the tail), text (every fact)",

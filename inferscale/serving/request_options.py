@@ -10,7 +10,9 @@ fact uses its lead encoding where it has one; ``key_scales``: how strongly the c
 applies its key scales, true / false or a strength in [0, 1]; ``agent_id`` / ``run_id``:
 retrieve only the owner's facts of that agent / run (``contracts/scope.py``; unset: any);
 ``filters`` (the body's only): retrieve only facts passing the filter (``contracts/filters.py``,
-as the memory API's search). The lab's CLI parses strengths with the same type (``STRENGTH``).
+as the memory API's search); ``record``: the new messages and the answer are stored as turns of
+the owner once answered (``conversation_record.py``; needs a key that may write). The lab's CLI
+parses strengths with the same type (``STRENGTH``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ HEADERS = {"mode": "x-inferscale-memory", "k": "x-inferscale-k",
            "recompute_text_margin": "x-inferscale-recompute-text-margin",
            "order": "x-inferscale-order",
            "lead": "x-inferscale-lead", "key_scales": "x-inferscale-key-scales",
-           "agent_id": "x-inferscale-agent-id", "run_id": "x-inferscale-run-id"}
+           "agent_id": "x-inferscale-agent-id", "run_id": "x-inferscale-run-id",
+           "record": "x-inferscale-record"}
 
 
 def _strength(raw: object) -> object:
@@ -79,6 +82,7 @@ class MemoryOptions(BaseModel):
     agent_id: ScopeValue | None = None
     run_id: ScopeValue | None = None
     filters: dict[str, Any] | None = None
+    record: Flag = False
 
     @property
     def scope(self) -> Scope:
@@ -140,7 +144,8 @@ def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
                 "order": settings.fact_order,
                 "lead": settings.lead_encoding,
                 "key_scales": settings.key_scale_strength if settings.key_scales != "off"
-                else 0.0, "agent_id": None, "run_id": None}
+                else 0.0, "agent_id": None, "run_id": None,
+                "record": settings.record_conversations}
     raw = {name: given[name] if given.get(name) is not None else headers.get(header,
                                                                            defaults[name])
            for name, header in HEADERS.items()}

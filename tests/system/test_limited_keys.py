@@ -178,3 +178,22 @@ def test_metrics_are_read_as_configured(keyed):
                      timeout=30).status_code == 403
     response = httpx.get(f"{keyed.url}/metrics", headers=ADMIN, timeout=30)
     assert response.status_code == 200 and "vllm" in response.text
+
+
+def test_only_a_key_that_may_write_records_a_conversation(keyed):
+    """``"record": true`` writes memory: a read-only key is refused, a key limited to agent a
+    may record in agent a only; the refused requests are not answered."""
+    def chat(key: str, agent: str | None) -> httpx.Response:
+        options = {"record": True, "mode": "text", **({"agent_id": agent} if agent else {})}
+        return httpx.post(keyed.url + "/v1/chat/completions", headers=_bearer(key), timeout=120,
+                          json={"model": "inferscale", "user": "alice", "max_tokens": 2,
+                                "inferscale": options,
+                                "messages": [{"role": "user", "content": "I moved."}]})
+
+    reader = chat("reader", None)
+    assert reader.status_code == 403 and "only read" in reader.text
+    elsewhere = chat("alice-a", "b")
+    assert elsewhere.status_code == 403
+    allowed = chat("alice-a", "a")
+    assert allowed.status_code == 200, allowed.text
+    assert len(allowed.headers["x-inferscale-recorded-turns"].split(",")) == 2
