@@ -135,3 +135,56 @@ def test_the_mcp_server_will_not_serve_http_without_a_key(monkeypatch, capsys):
     monkeypatch.delenv("INFERSCALE_API_KEY", raising=False)
     assert main(["--http", "--server", "https://memory.example"]) == 2  # no local key sent there
     assert "--http needs a key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("status", "method", "headers", "attempt", "expected"), [
+    (429, "POST", {"retry-after": "2"}, 0, 2.0),  # refused before anything was done: any method
+    (429, "POST", {"retry-after": "120"}, 0, 10.0),  # never longer than max_wait_s
+    (429, "GET", {}, 1, 1.0),  # no Retry-After: 0.5 s doubling
+    (429, "GET", {"retry-after": "soon"}, 0, 0.5),
+    (503, "GET", {"retry-after": "1"}, 0, 1.0),
+    (503, "DELETE", {}, 0, 0.5),
+    (503, "POST", {"retry-after": "1"}, 0, None),  # an add may have landed: not repeated
+    (429, "GET", {"retry-after": "1"}, 3, None),  # retries spent
+    (400, "GET", {"retry-after": "1"}, 0, None),
+    (500, "GET", {}, 0, None),
+])
+def test_which_refusals_are_sent_again_and_after_how_long(status, method, headers, attempt,
+                                                          expected):
+    from inferscale_client.memory_client import retry_delay
+
+    response = httpx.Response(status, headers=headers)
+    assert retry_delay(response, method, attempt, retries=3, max_wait_s=10.0) == expected
+
+
+def test_the_client_waits_out_a_rate_limit_and_then_answers(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr("inferscale_client.memory_client.time.sleep", slept.append)
+    answers = iter([httpx.Response(429, headers={"retry-after": "1"},
+                                   json={"detail": "rate limit 5/second exceeded"}),
+                    httpx.Response(200, json={"facts": [], "next_cursor": None})])
+    memory = MemoryClient("http://memory.test", api_key="k",
+                          transport=httpx.MockTransport(lambda _: next(answers)))
+    assert memory.list_facts("alice").facts == [] and slept == [1.0]
+    refused = MemoryClient("http://memory.test", api_key="k", retries=0,
+                           transport=httpx.MockTransport(lambda _: httpx.Response(
+                               429, headers={"retry-after": "1"}, json={"detail": "slow down"})))
+    with pytest.raises(MemoryAPIError) as error:
+        refused.list_facts("alice")
+    assert error.value.status == 429
+
+
+async def test_the_async_client_waits_out_a_rate_limit_too(monkeypatch):
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr("inferscale_client.memory_client.asyncio.sleep", sleep)
+    from inferscale_client import AsyncMemoryClient
+
+    answers = iter([httpx.Response(503, json={"detail": "memory unavailable"}),
+                    httpx.Response(200, json={"facts": [], "next_cursor": None})])
+    memory = AsyncMemoryClient("http://memory.test", api_key="k",
+                               transport=httpx.MockTransport(lambda _: next(answers)))
+    assert (await memory.list_facts("alice")).facts == [] and slept == [0.5]

@@ -6,14 +6,18 @@
 ...     memory.edit_fact("alice", page.facts[0].id, "Alice moved to Lisbon in May 2025.")
 
 Both build the same requests (``routes.py``). A refused request raises ``MemoryAPIError`` with
-the server's status and message. With no ``api_key`` they send ``INFERSCALE_API_KEY``, or for
-a server on this machine the local admin key (``keys.py``; ``data_dir``: where it is).
+the server's status and message; a 429 (and a 503 of a read or delete) is sent again up to
+``retries`` times, after the server's ``Retry-After`` (``retry_delay``). With no ``api_key``
+they send ``INFERSCALE_API_KEY``, or for a server on this machine the local admin key
+(``keys.py``; ``data_dir``: where it is).
 ``agent_id`` / ``run_id`` scope what a call writes and filter what it reads (None: any).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from datetime import datetime
 from itertools import islice
@@ -76,6 +80,25 @@ def _headers(base_url: str, api_key: str | None, data_dir: Path | None) -> dict[
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
+RETRIED = {429: None, 503: frozenset({"GET", "DELETE"})}  # status -> methods (None: every one)
+
+
+def retry_delay(response: httpx.Response, method: str, attempt: int, retries: int,
+                max_wait_s: float) -> float | None:
+    """How long to wait before sending again (None: do not): a 429 (refused before anything
+    was done) for every method, a 503 for reads and deletes (repeating them changes nothing),
+    at most ``retries`` times; the server's ``Retry-After`` seconds where it gives them, else
+    0.5 s doubling, never more than ``max_wait_s``."""
+    methods = RETRIED.get(response.status_code, frozenset())
+    if attempt >= retries or (methods is not None and method not in methods):
+        return None
+    try:
+        wait = float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        wait = 0.5 * 2**attempt
+    return min(max(wait, 0.0), max_wait_s)
+
+
 def _waiting(timeout: httpx.Timeout, call: routes.Call[Any]) -> httpx.Timeout:
     """The client's timeout, its read longer by the time the server may wait before answering."""
     if not call.wait_s or timeout.read is None:
@@ -88,15 +111,24 @@ class MemoryClient:
     """The memory API of one server, over HTTP (blocking)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
-                 transport: httpx.BaseTransport | None = None, data_dir: Path | None = None):
+                 transport: httpx.BaseTransport | None = None, data_dir: Path | None = None,
+                 retries: int = 3, max_wait_s: float = 10.0):
         self._http = httpx.Client(base_url=base_url.rstrip("/"),
                                   headers=_headers(base_url, api_key, data_dir), timeout=timeout,
                                   transport=transport)
+        self._retries, self._max_wait_s = retries, max_wait_s
 
     def _send(self, call: routes.Call[T]) -> T:
-        return _read(self._http.request(call.method, call.path, params=call.params,
-                                        json=call.body,
-                                        timeout=_waiting(self._http.timeout, call)), call)
+        attempt = 0
+        while True:
+            response = self._http.request(call.method, call.path, params=call.params,
+                                          json=call.body,
+                                          timeout=_waiting(self._http.timeout, call))
+            wait = retry_delay(response, call.method, attempt, self._retries, self._max_wait_s)
+            if wait is None:
+                return _read(response, call)
+            attempt += 1
+            time.sleep(wait)
 
     def close(self) -> None:
         self._http.close()
@@ -202,15 +234,23 @@ class AsyncMemoryClient:
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 data_dir: Path | None = None):
+                 data_dir: Path | None = None, retries: int = 3, max_wait_s: float = 10.0):
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"),
                                        headers=_headers(base_url, api_key, data_dir),
                                        timeout=timeout, transport=transport)
+        self._retries, self._max_wait_s = retries, max_wait_s
 
     async def _send(self, call: routes.Call[T]) -> T:
-        return _read(await self._http.request(call.method, call.path, params=call.params,
-                                              json=call.body,
-                                              timeout=_waiting(self._http.timeout, call)), call)
+        attempt = 0
+        while True:
+            response = await self._http.request(call.method, call.path, params=call.params,
+                                                json=call.body,
+                                                timeout=_waiting(self._http.timeout, call))
+            wait = retry_delay(response, call.method, attempt, self._retries, self._max_wait_s)
+            if wait is None:
+                return _read(response, call)
+            attempt += 1
+            await asyncio.sleep(wait)
 
     async def aclose(self) -> None:
         await self._http.aclose()
