@@ -17,7 +17,6 @@ from inferscale.db.encode_queue import register_model
 from inferscale.db.tables import fact_kv, facts, kv_models
 from inferscale.db.turns import count_user_rows
 from inferscale.devstack.stack import wait_encoded, worker_process
-from inferscale.kv import fused as kvwrite
 from inferscale.kv.durable import LocalDir
 from inferscale.kv.store import KVStore
 from inferscale.pipeline.kafka import ensure_topics, publish_turns
@@ -46,17 +45,18 @@ async def test_stored_fact_answers_with_injected_kv(served, smol, cfg, engine, e
     turns = sample_turns()
     user = turns[0].user_id
     await ingest_and_encode(cfg, engine, embedder, turns, encoder, store)
-    # Where the fused CPU writer is built it passed its probe in the engine and wrote the KV.
-    writes = ("fused_write",) if kvwrite.available() else ("rope", "cache_write")
+    # The KV is written by the fused CPU writer where it is built and passed its probe in the
+    # engine (it does not on a CPU whose vLLM rotary rounds otherwise), else by vLLM's chain.
     stages = [f'inferscale_stage_seconds_count{{stage="{stage}"}}' for stage in (
-        "compose", "sign", "plan_check", "gather", *writes)]
+        "compose", "sign", "plan_check", "gather", "fused_write", "rope", "cache_write")]
     before = [metric(served, stage) for stage in stages]
     response = served.chat(user, "What is the name of Sam's octopus at the aquarium?", k=5)
     assert response.status_code == 200, response.text
     answer = response.json()["choices"][0]["message"]["content"]
     assert "Pickles" in answer
     # Every stage of the request was timed (the bench's per-stage breakdown reads these).
-    assert all(metric(served, stage) > was for stage, was in zip(stages, before, strict=True))
+    timed = [metric(served, stage) > was for stage, was in zip(stages, before, strict=True)]
+    assert all(timed[:4]) and (timed[4] or all(timed[5:]))  # which writer: test_fused_cpu
     h = response.headers
     assert h["x-inferscale-mode"] == "inject" and h["x-inferscale-facts-injected"] == "5"
     injected, prefilled = int(h["x-inferscale-injected-tokens"]), int(
