@@ -15,7 +15,12 @@ from inferscale.core.settings import Settings
     ("INFERSCALE_MAX_WAITS_PER_KEY", "0"), ("INFERSCALE_FILTER_INLINE_COST", "-1"),
     ("INFERSCALE_FILTER_MAX_COST", "0"), ("INFERSCALE_METRICS_ACCESS", "everyone"),
     ("INFERSCALE_VLLM_KEYS_FOR_MEMORY", "maybe"), ("INFERSCALE_WORKER_HTTP_HOST", ""),
-    ("INFERSCALE_RATE_LIMIT_STORAGE", "ftp://x")])
+    ("INFERSCALE_RATE_LIMIT_STORAGE", "ftp://x"),
+    ("INFERSCALE_RECOMPUTE_AUTO_DIRECT_MARGIN", "-0.1"),
+    ("INFERSCALE_RECOMPUTE_AUTO_DIRECT_MARGIN", "nan"),
+    ("INFERSCALE_RECOMPUTE_AUTO_DIRECT_MARGIN", "inf"),
+    ("INFERSCALE_RECOMPUTE_AUTO_DIRECT_MARGIN", "low"),
+    ("INFERSCALE_RECORD_CONVERSATIONS", "sometimes")])
 def test_the_new_settings_refuse_nonsense(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValidationError):
@@ -37,3 +42,15 @@ def test_the_new_settings_take_what_they_document(monkeypatch):
     assert defaults["metrics_access"].default == "loopback"
     assert defaults["vllm_keys_for_memory"].default is False
     assert defaults["worker_http_host"].default == "127.0.0.1"
+
+
+
+def test_recording_and_the_direct_step_are_off_unless_asked(monkeypatch):
+    defaults = Settings.model_fields
+    assert defaults["record_conversations"].default is False
+    assert defaults["recompute_auto_direct_margin"].default == 0.0
+    monkeypatch.setenv("INFERSCALE_RECORD_CONVERSATIONS", "true")
+    monkeypatch.setenv("INFERSCALE_RECOMPUTE_AUTO_DIRECT_MARGIN", "0.375")
+    settings = Settings()
+    assert settings.record_conversations is True
+    assert settings.recompute_auto_direct_margin == 0.375
