@@ -17,7 +17,9 @@ two attempts, not three (``docs/results/models.md``: a fallback cost 1.4-1.75x t
 with all three).
 
 Logprobs the client did not ask for are removed from what it receives (to the count it asked
-for where it asked for fewer). Pure logic over ASGI messages: the front end wires it.
+for where it asked for fewer). Both memory routes are read: chat completions (``"chat"``) and
+the Responses API (``"responses"``: logprobs asked for by ``include``, events named by an
+``event:`` line). Pure logic over ASGI messages: the front end wires it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Decision = Literal["kept", "recomputed"]
 Outcome = Literal["kept", "recomputed", "text"]  # which attempt answered
 OUTCOMES: tuple[Outcome, ...] = ("kept", "recomputed", "text")
+Api = Literal["chat", "responses"]  # the memory route's request and answer shapes
 PROBE_TOP_LOGPROBS = 2
+RESPONSE_LOGPROBS = "message.output_text.logprobs"  # the Responses API's ``include`` for them
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class AutoRecompute:
     tail: int  # facts recomputed by the second attempt
     text_threshold: float = 0.0  # nats: the second attempt's margin below it: all as text
     direct_threshold: float = 0.0  # nats: the first attempt's margin below it: text at once
+    api: Api = "chat"
 
     def then(self) -> AutoRecompute | None:
         """The gate of the tail-recomputed attempt (None: that attempt answers)."""
@@ -57,43 +62,77 @@ class AutoRecompute:
         return margin is not None and margin < self.direct_threshold
 
 
-def client_top_logprobs(data: dict[str, Any]) -> int | None:
+def client_top_logprobs(data: dict[str, Any], api: Api = "chat") -> int | None:
     """The top logprobs the client asked for (None: none at all)."""
-    if not data.get("logprobs"):
+    if api == "responses":
+        include = data.get("include")
+        asked = isinstance(include, list) and RESPONSE_LOGPROBS in include
+    else:
+        asked = bool(data.get("logprobs"))
+    if not asked:
         return None
     top = data.get("top_logprobs")
     return top if isinstance(top, int) and top >= 0 else 0
 
 
-def ask_for_margin(data: dict[str, Any]) -> None:
+def ask_for_margin(data: dict[str, Any], api: Api = "chat") -> None:
     """Make the request return the logprobs the decision needs (in place)."""
-    data["logprobs"] = True
-    data["top_logprobs"] = max(client_top_logprobs(data) or 0, PROBE_TOP_LOGPROBS)
+    top = max(client_top_logprobs(data, api) or 0, PROBE_TOP_LOGPROBS)
+    if api == "responses":
+        include = data.get("include")
+        include = list(include) if isinstance(include, list) else []
+        data["include"] = include if RESPONSE_LOGPROBS in include else [*include,
+                                                                       RESPONSE_LOGPROBS]
+    else:
+        data["logprobs"] = True
+    data["top_logprobs"] = top
 
 
-def one_token(body: bytes) -> bytes | None:
+def one_token(body: bytes, api: Api = "chat") -> bytes | None:
     """A non-streamed request made to generate one token (None: a streamed request, whose
     gate aborts it at its first token anyway)."""
     data = json.loads(body)
     if data.get("stream"):
         return None
-    data["max_tokens"] = 1
-    if "max_completion_tokens" in data:
-        data["max_completion_tokens"] = 1
+    if api == "responses":
+        data["max_output_tokens"] = 1
+    else:
+        data["max_tokens"] = 1
+        if "max_completion_tokens" in data:
+            data["max_completion_tokens"] = 1
     return json.dumps(data).encode()
 
 
+def _first_entry(payload: dict[str, Any]) -> object:
+    """The logprob entry of the first generated token in a chat completion or chunk, a
+    Responses API response or its text delta event (None: none there)."""
+    if "choices" in payload:
+        choices = payload["choices"]
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return None
+        logprobs = choices[0].get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    elif payload.get("type") == "response.output_text.delta":
+        entries = payload.get("logprobs")
+    elif payload.get("object") == "response":
+        parts = [part for item in _list(payload.get("output")) if isinstance(item, dict)
+                 and item.get("type") == "message" for part in _list(item.get("content"))]
+        first = parts[0] if parts and isinstance(parts[0], dict) else {}
+        entries = first.get("logprobs")
+    else:
+        return None
+    return entries[0] if isinstance(entries, list) and entries else None
+
+
+def _list(value: object) -> list:
+    return value if isinstance(value, list) else []
+
+
 def first_margin(payload: dict[str, Any]) -> float | None:
-    """The top-2 logprob margin of the first generated token in a chat completion or chunk
-    (None: it holds no generated token yet). One candidate only: an infinite margin."""
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return None
-    logprobs = choices[0].get("logprobs")
-    content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    if not isinstance(content, list) or not content or not isinstance(content[0], dict):
-        return None
-    top = content[0].get("top_logprobs")
+    """The top-2 logprob margin of the first generated token (``_first_entry``; None: no
+    generated token yet). One candidate only: an infinite margin."""
+    entry = _first_entry(payload)
+    top = entry.get("top_logprobs") if isinstance(entry, dict) else None
     values = sorted((float(t["logprob"]) for t in top if isinstance(t, dict)
                      and isinstance(t.get("logprob"), int | float)), reverse=True) \
         if isinstance(top, list) else []
@@ -104,29 +143,63 @@ def first_margin(payload: dict[str, Any]) -> float | None:
 
 def strip_logprobs(payload: dict[str, Any], keep: int | None) -> dict[str, Any]:
     """``payload`` with the logprobs the client did not ask for removed (in place)."""
+    if "choices" not in payload:
+        _strip_response(payload, keep)
+        return payload
     for choice in payload.get("choices") or []:
         if not isinstance(choice, dict) or "logprobs" not in choice:
             continue
         if keep is None:
             choice["logprobs"] = None
             continue
-        content = (choice["logprobs"] or {}).get("content") or []
-        for entry in content:
-            if isinstance(entry, dict) and isinstance(entry.get("top_logprobs"), list):
-                entry["top_logprobs"] = entry["top_logprobs"][:keep]
+        _trim((choice["logprobs"] or {}).get("content") or [], keep)
     return payload
 
 
-def _event_payload(event: bytes) -> dict[str, Any] | None:
-    """The JSON object of one server-sent event ``data: {...}`` (None: any other event)."""
-    line = event.strip()
-    if not line.startswith(b"data: {"):
+def _strip_response(node: object, keep: int | None) -> None:
+    """A Responses API payload's every ``logprobs`` list emptied (``keep`` None) or its top
+    logprobs cut to ``keep``, and a response object's ``top_logprobs`` set back (in place)."""
+    if isinstance(node, list):
+        for item in node:
+            _strip_response(item, keep)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.get("object") == "response" and "top_logprobs" in node:
+        node["top_logprobs"] = keep or 0
+    for key, value in node.items():
+        if key == "logprobs" and isinstance(value, list):
+            node[key] = [] if keep is None else _trim(value, keep)
+        else:
+            _strip_response(value, keep)
+
+
+def _trim(entries: list, keep: int) -> list:
+    for entry in entries:
+        if isinstance(entry, dict) and isinstance(entry.get("top_logprobs"), list):
+            entry["top_logprobs"] = entry["top_logprobs"][:keep]
+    return entries
+
+
+def event_payload(event: bytes) -> dict[str, Any] | None:
+    """The JSON object of one server-sent event's ``data: {...}`` line (after an ``event:``
+    line or none; None: any other event)."""
+    line = next((line for line in event.strip().split(b"\n") if line.startswith(b"data: {")),
+                None)
+    if line is None:
         return None
     try:
         payload = json.loads(line[len(b"data: "):])
     except ValueError:
         return None
     return payload if isinstance(payload, dict) else None
+
+
+def _with_payload(event: bytes, payload: dict[str, Any]) -> bytes:
+    """``event`` with its ``data:`` line replaced by ``payload`` (its other lines kept)."""
+    lines = [b"data: " + json.dumps(payload).encode() if line.startswith(b"data: {") else line
+             for line in event.strip(b"\n").split(b"\n")]
+    return b"\n".join(lines)
 
 
 class FirstTokenGate:
@@ -176,7 +249,7 @@ class FirstTokenGate:
         """Look for the first token in what is held; at the end without one: keep."""
         if self._streaming:
             for event in self._held.split(b"\n\n")[:-1]:  # complete events only
-                payload = _event_payload(event)
+                payload = event_payload(event)
                 if payload is not None and (margin := first_margin(payload)) is not None:
                     return self._settle(margin)
         elif final:
@@ -227,10 +300,10 @@ class FirstTokenGate:
             self._held = b""
         out = []
         for event in events:
-            payload = _event_payload(event)
+            payload = event_payload(event)
             if payload is not None:
-                stripped = strip_logprobs(payload, self.auto.client_top_logprobs)
-                event = b"data: " + json.dumps(stripped).encode()
+                event = _with_payload(event, strip_logprobs(payload,
+                                                            self.auto.client_top_logprobs))
             out.append(event + b"\n\n")
         if out or final:
             await self._send({"type": "http.response.body", "body": b"".join(out),

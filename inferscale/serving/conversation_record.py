@@ -1,6 +1,6 @@
 """Memory that records its own conversations (``"record": true``, or ``record_conversations``).
 
-A memory-bearing chat completion that asks for it is published, once it has completed with
+A memory-bearing chat completion or response (``/v1/responses``) that asks for it is published, once it has completed with
 200, as turns of its owner through the same Kafka path as any producer: the user's new messages
 (those after the last assistant message) and the answer, in the request's agent / run scope,
 conversation ``run_id`` (else ``"chat"``). Turn ids come from the request id (the client's
@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from inferscale.contracts.events import TurnEvent
+from inferscale.serving.auto_recompute import event_payload
 from inferscale.serving.guards import FrontendError
 from inferscale.serving.request_options import MemoryOptions
 
@@ -84,28 +85,50 @@ def new_messages(messages: list[dict]) -> list[str]:
 
 
 def answer_text(body: bytes, streamed: bool) -> str | None:
-    """The first choice's text of a whole chat completion body, or of a whole event stream
-    (its deltas joined); None where there is none."""
+    """The answer's text: a whole chat completion's first choice, a Responses API response's
+    message text; of a whole event stream, the chat deltas joined or the completed response's
+    text. None where there is none, or the stream was cut short (no ``[DONE]``, no
+    ``response.completed``)."""
     if not streamed:
         try:
             payload = json.loads(body)
-            content = payload["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
+        except ValueError:
             return None
-        return content if isinstance(content, str) and content else None
+        return _completed_text(payload) if isinstance(payload, dict) else None
+    if b"data: [DONE]" not in body:
+        for event in body.split(b"\n\n"):
+            payload = event_payload(event)
+            if payload is not None and payload.get("type") == "response.completed":
+                response = payload.get("response")
+                return _completed_text(response) if isinstance(response, dict) else None
+        return None
     parts = []
     for event in body.split(b"\n\n"):
-        line = event.strip()
-        if not line.startswith(b"data: {"):
-            continue
+        payload = event_payload(event)
         try:
-            choice = json.loads(line[len(b"data: "):])["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError):
+            choice = payload["choices"][0] if payload is not None else None
+        except (KeyError, IndexError, TypeError):
             continue
         content = choice.get("delta", {}).get("content") if isinstance(choice, dict) else None
         if isinstance(content, str) and choice.get("index", 0) == 0:
             parts.append(content)
     return "".join(parts) or None
+
+
+def _completed_text(payload: dict[str, Any]) -> str | None:
+    """A whole chat completion's first choice, or a Responses API response's output text."""
+    if payload.get("object") == "response":
+        texts = [part.get("text") for item in payload.get("output") or []
+                 if isinstance(item, dict) and item.get("type") == "message"
+                 for part in item.get("content") or []
+                 if isinstance(part, dict) and part.get("type") == "output_text"]
+        text = "".join(t for t in texts if isinstance(t, str))
+        return text or None
+    try:
+        content = payload["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return content if isinstance(content, str) and content else None
 
 
 @dataclass
@@ -134,9 +157,6 @@ class AnswerCapture:
         await self.send(message)
         if (message["type"] == "http.response.body" and not message.get("more_body", False)
                 and self._status == 200 and not self._overflow):
-            body = bytes(self._body)
-            if self._streamed and b"data: [DONE]" not in body:  # a stream cut short
-                return
-            text = answer_text(body, self._streamed)
+            text = answer_text(bytes(self._body), self._streamed)
             if text is not None:
                 self.done(text)

@@ -1,8 +1,9 @@
 """Memory front end inside vLLM's API server
 (``--middleware inferscale.serving.frontend.MemoryFrontend``).
 
-A chat completion naming a memory owner (``user`` field or ``X-InferScale-User`` header) is
-rewritten before vLLM sees it: checked (``guards.py``), its memory options read
+A chat completion or a response (``/v1/responses``: ``responses_input.py`` makes its chat)
+naming a memory owner (``user`` field or ``X-InferScale-User`` header) is rewritten before vLLM
+sees it: checked (``guards.py``), its memory options read
 (``request_options.py``), the prompt composed from the owner's top-k facts (``compose.py``) and
 sent as token ids, with a signed injection plan for the encoded facts (``kv_transfer_params``)
 and a ``cache_salt`` (``cache_salt.py``: what of vLLM's prefix cache it may reuse). Requests
@@ -43,6 +44,7 @@ from inferscale.serving.asgi import (
 from inferscale.serving.auto_recompute import (
     OUTCOMES,
     AutoRecompute,
+    Api,
     Decision,
     FirstTokenGate,
     ask_for_margin,
@@ -74,18 +76,20 @@ from inferscale.serving.request_options import (
     owner_and_options,
     refuse_memory_elsewhere,
 )
+from inferscale.serving.responses_input import response_messages, stored_history
 from inferscale.serving.route_policy import Kind, RoutePolicy
 
 log = logging.getLogger("inferscale.serving.frontend")
 
-CHAT_PATH = "/v1/chat/completions"
+MEMORY_ROUTES: dict[str, Api] = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}
 PARSE_IN_THREAD_BYTES = 64 * 1024
 # Under recompute auto, the header with the margin of the attempt each outcome follows.
 MARGIN_HEADERS = ("x-inferscale-first-margin", "x-inferscale-tail-margin")
 
 
 class MemoryFrontend:
-    """ASGI middleware: memory for owned chat completions, guard for every generation route."""
+    """ASGI middleware: memory for owned chat completions and responses, guard for every
+    generation route."""
 
     def __init__(self, app, settings: Settings | None = None):
         self.app = app
@@ -95,6 +99,7 @@ class MemoryFrontend:
         self._publishing: set[asyncio.Task[None]] = set()  # recorded turns on their way
         self.salts = CacheSalts(self.settings.plan_secret or "")
         self._routes: RoutePolicy | None = None  # built at the first request (routes added)
+        self._server: object = None  # vLLM's app (its Responses store), known at start-up
         # vLLM's own --api-key check is ours (``serve.py`` keeps it from vLLM's command line, so
         # that memory keys are not refused by it): it runs before any memory work, and admits
         # vLLM's keys and the memory keys alike.
@@ -109,6 +114,7 @@ class MemoryFrontend:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan" and not self._bound:
             self._bound = True
+            self._server = scope["app"]
             serve_memory(scope["app"], self.memory)
             self.memory.bind(scope["app"])
         if scope["type"] not in ("http", "websocket"):
@@ -227,7 +233,7 @@ class MemoryFrontend:
         a non-streamed answer would have run to its ``max_tokens``); kept, the answer is then
         generated once, over the probe's prefix-cached blocks, through a gate that keeps it.
         Where the probe gives no decision (an error), the attempt runs gated as it is."""
-        probe = one_token(body)
+        probe = one_token(body, auto.api)
         if probe is not None:
             trial = await self._gated_attempt(scope, client, discard, probe, auto, headers,
                                               margin_header)
@@ -275,7 +281,8 @@ class MemoryFrontend:
             return _Rewritten(body)
         data = (await asyncio.to_thread(parse_request, body)
                 if len(body) > PARSE_IN_THREAD_BYTES else parse_request(body))
-        if path != CHAT_PATH or not isinstance(data, dict):
+        api = MEMORY_ROUTES.get(path)
+        if api is None or not isinstance(data, dict):
             refuse_memory_elsewhere(path, data, headers)
             return _Rewritten(body)
         owner, options = owner_and_options(data, headers, self.settings)
@@ -283,7 +290,7 @@ class MemoryFrontend:
             return _Rewritten(json.dumps(data).encode())
         self.access.authorize(headers, owner, scope=named_scope(options.scope, options.where),
                               client=client, write=options.record)
-        messages, query = chat_messages(data)
+        messages, query = chat_messages(await self._chat(api, data))
         recording = (Recording(owner, options, request_id(headers), new_messages(messages))
                      if options.record else None)
         rt = await self.memory.runtime()
@@ -295,24 +302,33 @@ class MemoryFrontend:
         if options.mode != "inject" or data.get("n") not in (None, 1) or tail == 0:
             return _Rewritten(*await self._memory_body(rt, data, owner, recomputed, messages,
                                                        query), recording=recording)
-        auto = AutoRecompute(options.recompute_margin, client_top_logprobs(data), tail,
+        auto = AutoRecompute(options.recompute_margin, client_top_logprobs(data, api), tail,
                              options.recompute_text_margin,
-                             self.settings.recompute_auto_direct_margin)
+                             self.settings.recompute_auto_direct_margin, api)
         original = dict(data)
 
         async def retry(tail_only: bool, gated: bool) -> tuple[bytes, dict[str, str]]:
             """The request composed again: the tail recomputed, or every fact as text."""
             again = dict(original)
             if gated:
-                ask_for_margin(again)
+                ask_for_margin(again, api)
             return await self._memory_body(
                 rt, again, owner, recomputed if tail_only
                 else recomputed.model_copy(update={"mode": "text"}), messages, query)
 
-        ask_for_margin(data)
+        ask_for_margin(data, api)
         body, extra = await self._memory_body(
             rt, data, owner, options.model_copy(update={"recompute": 0}), messages, query)
         return _Rewritten(body, extra, auto, retry, recording)
+
+    async def _chat(self, api: Api, data: dict) -> dict:
+        """The request as a chat: itself, or a response's conversation (``responses_input``)."""
+        if api == "chat":
+            return data
+        previous = data.get("previous_response_id")
+        history = (await stored_history(self._server, previous) if isinstance(previous, str)
+                   else None)
+        return {"messages": response_messages(data, history)}
 
     async def _memory_body(self, rt: MemoryRuntime, data: dict, owner: str,
                            options: MemoryOptions, messages: list[dict], query: str

@@ -106,12 +106,12 @@ def default_recompute(settings: Settings) -> int | Literal["auto"]:
 
 
 # vLLM's other generation routes: memory is not served there.
-WITHOUT_MEMORY = frozenset({"/v1/completions", "/v1/responses", "/v1/messages",
+WITHOUT_MEMORY = frozenset({"/v1/completions", "/v1/messages",
                             "/v1/chat/completions/batch", "/inference/v1/generate"})
 
 
 def refuse_memory_elsewhere(path: str, data: object, headers: dict[str, str]) -> None:
-    """Memory is served on chat completions only: a request to another generation route
+    """Memory is served on chat completions and responses only: a request to another generation route
     (``WITHOUT_MEMORY``) that asks for it (an ``"inferscale"`` object, ``X-InferScale-User`` or
     an option's header; ``user`` alone is OpenAI's end-user id there) gets a 400 naming the
     route, never an answer without the memory it asked for."""
@@ -119,7 +119,8 @@ def refuse_memory_elsewhere(path: str, data: object, headers: dict[str, str]) ->
         return
     named = {"x-inferscale-user", *HEADERS.values()} & set(headers)
     if named or (isinstance(data, dict) and "inferscale" in data):
-        raise FrontendError(400, f"memory is served on /v1/chat/completions only, not on "
+        raise FrontendError(400, f"memory is served on /v1/chat/completions and /v1/responses "
+                                 f"only, not on "
                                  f"{path[:100]!r} (asked for by "
                                  f"{sorted(named) or ['the inferscale object']})")
 

@@ -8,8 +8,8 @@ strips it, so ``/api/reset_prefix_cache`` is ``/reset_prefix_cache``):
 - ``memory``: the memory API's routes (both dialects); each admits its caller itself
   (``memory_ops.Admission``);
 - ``public``: generation and information (``PUBLIC_ROUTES``), open to whoever passes vLLM's own
-  ``--api-key`` check and the browser rules; a chat completion that names an owner is admitted
-  as memory;
+  ``--api-key`` check and the browser rules; a chat completion or response that names an owner
+  is admitted as memory;
 - ``metrics``: ``/metrics``, readable as ``INFERSCALE_METRICS_ACCESS`` says;
 - ``admin``: everything else, present or future (engine control, dev-mode routes, weight
   updates, ``/invocations``, whatever a new vLLM adds): an admin key only.

@@ -172,13 +172,11 @@ def test_refusals_carry_no_memory_headers(served, memory_user):
     assert not any(h.startswith("x-inferscale") for h in too_long.headers)
 
 
-def test_memory_asked_of_completions_or_responses_is_refused_not_ignored(served, memory_user):
-    """Memory is served on chat completions only: /v1/completions and /v1/responses refuse a
-    request that asks for it (400 naming the route) and answer one that does not."""
-    for path, body in (("/v1/completions", {"prompt": "Where does Ines teach?"}),
-                       ("/v1/responses", {"input": "Where does Ines teach?"})):
-        body = {"model": "inferscale", "max_tokens" if "prompt" in body else
-                "max_output_tokens": 16, **body}
+def test_memory_asked_of_completions_is_refused_not_ignored(served, memory_user):
+    """Memory is served on chat completions and responses only: /v1/completions refuses a
+    request that asks for it (400 naming the route) and answers one that does not."""
+    for path, body in (("/v1/completions", {"prompt": "Where does Ines teach?"}),):
+        body = {"model": "inferscale", "max_tokens": 16, **body}
         for extra, headers in (({"inferscale": {"k": 2}}, {}),
                                ({}, {"x-inferscale-user": memory_user})):
             refused = httpx.post(f"{served.url}{path}", json={**body, **extra}, timeout=60,

@@ -16,6 +16,7 @@ from inferscale.serving.auto_recompute import (
     ask_for_margin,
     client_top_logprobs,
     first_margin,
+    one_token,
     strip_logprobs,
 )
 
@@ -187,3 +188,79 @@ def test_the_tail_recomputed_attempt_is_gated_only_where_a_text_margin_is_set():
     assert (gate.decision, sent) == ("recomputed", [])
     gate, sent, _ = run_gate(second, SSE, sse(chunk("a", [-0.1, -2.0])), [])
     assert gate.decision == "kept" and sent
+
+
+# The Responses API's shapes (vLLM's): events named by an ``event:`` line, logprobs asked for
+# by ``include``, the first token in a text delta event or the response's first message part.
+def delta(token: str, top: list[float]) -> dict:
+    entries = [{"token": f"t{i}", "logprob": lp, "bytes": []} for i, lp in enumerate(top)]
+    return {"type": "response.output_text.delta", "delta": token, "item_id": "msg_1",
+            "output_index": 0, "content_index": 0, "sequence_number": 3,
+            "logprobs": [{"token": token, "logprob": top[0], "top_logprobs": entries}]}
+
+
+def response(text: str, top: list[float] | None, top_logprobs: int = 2) -> dict:
+    entries = [{"token": f"t{i}", "logprob": lp} for i, lp in enumerate(top or [])]
+    logprobs = [{"token": text, "logprob": (top or [0])[0], "top_logprobs": entries}] if top \
+        else []
+    return {"id": "resp_1", "object": "response", "top_logprobs": top_logprobs,
+            "output": [{"type": "reasoning", "content": []},
+                       {"type": "message", "role": "assistant",
+                        "content": [{"type": "output_text", "text": text,
+                                     "logprobs": logprobs}]}]}
+
+
+def named_sse(*payloads: dict) -> bytes:
+    return b"".join(f"event: {p['type']}\ndata: ".encode() + json.dumps(p).encode() + b"\n\n"
+                    for p in payloads)
+
+
+def test_the_responses_api_asks_for_logprobs_by_include_and_reads_them_where_it_puts_them():
+    data = {"input": "hi", "include": ["reasoning.encrypted_content"]}
+    assert client_top_logprobs(data, "responses") is None
+    ask_for_margin(data, "responses")
+    assert data["include"] == ["reasoning.encrypted_content", "message.output_text.logprobs"]
+    assert data["top_logprobs"] == 2 and "logprobs" not in data
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 4}
+    assert client_top_logprobs(asked, "responses") == 4
+    ask_for_margin(asked, "responses")
+    assert asked == {"include": ["message.output_text.logprobs"], "top_logprobs": 4}
+    assert json.loads(one_token(json.dumps({"input": "x"}).encode(), "responses") or b"")[
+        "max_output_tokens"] == 1
+    assert one_token(json.dumps({"input": "x", "stream": True}).encode(), "responses") is None
+    assert first_margin(delta("Hi", [-0.1, -2.1])) == pytest.approx(2.0)
+    assert first_margin(response("Hi", [-0.2, -0.3])) == pytest.approx(0.1)
+    assert first_margin(response("Hi", None)) is None
+    assert first_margin({"type": "response.created", "response": response("", None)}) is None
+    assert first_margin({"object": "response", "output": "nope"}) is None
+
+
+def test_a_confident_response_stream_is_released_with_its_event_names_and_without_logprobs():
+    created = {"type": "response.created", "sequence_number": 0,
+               "response": {**response("", None), "output": []}}
+    done = {"type": "response.completed", "sequence_number": 9,
+            "response": response("Pickles", [-0.1, -2.0])}
+    body = named_sse(created, delta("Pick", [-0.1, -2.0]), delta("les", [-0.3, -0.4]), done)
+    auto = AutoRecompute(threshold=0.5, client_top_logprobs=None, tail=2, api="responses")
+    gate, sent, _ = run_gate(auto, SSE, body, [5, 200, 400])
+    assert gate.decision == "kept" and gate.margin == pytest.approx(1.9)
+    released = b"".join(m.get("body", b"") for m in sent[1:]).split(b"\n\n")
+    names = [e.split(b"\n")[0] for e in released if e]
+    assert names == [b"event: response.created", b"event: response.output_text.delta",
+                     b"event: response.output_text.delta", b"event: response.completed"]
+    payloads = [json.loads(e.split(b"\n")[1][len(b"data: "):]) for e in released if e]
+    assert all(p["logprobs"] == [] for p in payloads[1:3])
+    final = payloads[3]["response"]
+    assert final["top_logprobs"] == 0 and final["output"][1]["content"][0]["logprobs"] == []
+    unsure = named_sse(created, delta("Bis", [-0.6, -0.7]), done)
+    gate, sent, _ = run_gate(auto, SSE, unsure, [30])
+    assert (gate.decision, sent) == ("recomputed", [])
+
+
+def test_a_non_streamed_response_keeps_the_top_logprobs_the_client_asked_for():
+    auto = AutoRecompute(threshold=0.5, client_top_logprobs=1, tail=2, api="responses")
+    gate, sent, _ = run_gate(auto, JSON, json.dumps(response("Hi", [-0.1, -3.0])).encode(), [])
+    assert gate.decision == "kept"
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    entry = body["output"][1]["content"][0]["logprobs"][0]
+    assert len(entry["top_logprobs"]) == 1 and body["top_logprobs"] == 1

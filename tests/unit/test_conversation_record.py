@@ -65,6 +65,32 @@ async def test_a_whole_answer_is_recorded():
     assert done == ["Biscuit."]
 
 
+def _response(text: str) -> dict:
+    return {"id": "resp_1", "object": "response", "status": "completed",
+            "output": [{"type": "reasoning", "content": []},
+                       {"type": "message", "role": "assistant",
+                        "content": [{"type": "output_text", "text": text, "logprobs": []}]}]}
+
+
+def _event(payload: dict) -> bytes:
+    return f"event: {payload['type']}\ndata: ".encode() + json.dumps(payload).encode() + b"\n\n"
+
+
+async def test_a_response_is_recorded_whole_or_from_its_completed_event():
+    """The Responses API: a whole response's message text; of a stream, the text of its
+    ``response.completed`` event (a stream without one was cut short)."""
+    _, done = await _play([_start(streamed=False),
+                           _body(json.dumps(_response("Biscuit.")).encode())])
+    assert done == ["Biscuit."]
+    deltas = [_event({"type": "response.output_text.delta", "delta": d, "logprobs": []})
+              for d in ("Bis", "cuit.")]
+    completed = _event({"type": "response.completed", "response": _response("Biscuit.")})
+    _, done = await _play([_start(), *(_body(d, True) for d in deltas), _body(completed)])
+    assert done == ["Biscuit."]
+    _, done = await _play([_start(), *(_body(d, True) for d in deltas), _body(b"")])
+    assert done == []
+
+
 @pytest.mark.parametrize("messages", [
     [_start(), _body(_chunk("cut "), True), _body(b"")],  # no [DONE]: a stream cut short
     [_start(), _body(_chunk("not over yet"), True)],  # the client went away

@@ -153,7 +153,7 @@ def test_hostile_options_are_read_or_refused_with_a_400(options, headers):
 
 
 def test_memory_asked_of_another_generation_route_is_a_400_naming_it():
-    """Memory is served on chat completions only: /v1/completions, /v1/responses and vLLM's
+    """Memory is served on chat completions and responses only: /v1/completions and vLLM's
     other generation routes refuse a request that asks for it (body object, owner header or an
     option's header), and let through one that does not (``user`` is OpenAI's end-user id)."""
     from inferscale.serving.request_options import WITHOUT_MEMORY, refuse_memory_elsewhere
@@ -166,5 +166,8 @@ def test_memory_asked_of_another_generation_route_is_a_400_naming_it():
             assert refused.value.status == 400 and path in refused.value.message
         refuse_memory_elsewhere(path, {"prompt": "hi", "user": "alice"}, {})
         refuse_memory_elsewhere(path, ["not", "an", "object"], {})
+    for served in ("/v1/chat/completions", "/v1/responses"):
+        assert served not in WITHOUT_MEMORY
+        refuse_memory_elsewhere(served, {"inferscale": {"k": 3}}, {"x-inferscale-user": "a"})
     refuse_memory_elsewhere("/v1/memory/users/a/facts", {"inferscale": 1},
                             {"x-inferscale-user": "a"})  # the memory API's own routes
