@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # suite's clients pick it up from INFERSCALE_API_KEY as a user's do from the file.
 SUITE_KEY = os.environ.setdefault(KEY_ENV, "suite-" + secrets.token_urlsafe(24))
 AUTH = {"authorization": f"Bearer {SUITE_KEY}"}
+# vLLM keeps responses (for ``previous_response_id``) only where asked to: the suite's are.
+os.environ.setdefault("VLLM_ENABLE_RESPONSES_API_STORE", "1")
 SAMPLE = ROOT / "inferscale" / "data" / "sample_conversation.json"
 # compose.yaml starts nothing without its credentials: the suite's test values, where the
 # environment sets none (the API keys and plan secret go unused: the suite starts no server).

@@ -1,15 +1,15 @@
 """Memory that records its own conversations (``"record": true``, or ``record_conversations``).
 
-A memory-bearing chat completion or response (``/v1/responses``) that asks for it is published, once it has completed with
-200, as turns of its owner through the same Kafka path as any producer: the user's new messages
-(those after the last assistant message) and the answer, in the request's agent / run scope,
-conversation ``run_id`` (else ``"chat"``). Turn ids come from the request id (the client's
-``X-Request-Id``, else a fresh one), so a retried request records once (turns are unique per
-owner, conversation and id). The response says up front which turns it records
-(``x-inferscale-recorded-turns``); publishing happens after the last byte, off the answer, and
-a failure is logged and counted, never seen by the client. A response that does not complete
-(the client went away, an error status, a stream cut short) records nothing. Under recompute
-auto only the answering attempt reaches the capture (the gates drop the others).
+A memory-bearing chat completion or response (``/v1/responses``) that asks for it is published,
+once it has completed with 200, as turns of its owner through the same Kafka path as any
+producer: the user's new messages (those after the last assistant message) and the answer, in
+the request's agent / run scope, conversation ``run_id`` (else ``"chat"``). Turn ids come from
+the request id (the client's ``X-Request-Id``, else a fresh one), so a retried request records
+once (turns are unique per owner, conversation and id). The response says up front which turns
+it records (``x-inferscale-recorded-turns``); publishing happens after the last byte, off the
+answer, and a failure is logged and counted, never seen by the client. A response that does not
+complete (the client went away, an error status, a stream cut short) records nothing. Under
+recompute auto only the answering attempt reaches the capture (the gates drop the others).
 """
 
 from __future__ import annotations
@@ -109,8 +109,11 @@ def answer_text(body: bytes, streamed: bool) -> str | None:
             choice = payload["choices"][0] if payload is not None else None
         except (KeyError, IndexError, TypeError):
             continue
-        content = choice.get("delta", {}).get("content") if isinstance(choice, dict) else None
-        if isinstance(content, str) and choice.get("index", 0) == 0:
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            continue
+        delta = choice.get("delta")
+        content = delta.get("content") if isinstance(delta, dict) else None
+        if isinstance(content, str):
             parts.append(content)
     return "".join(parts) or None
 

@@ -43,8 +43,8 @@ from inferscale.serving.asgi import (
 )
 from inferscale.serving.auto_recompute import (
     OUTCOMES,
-    AutoRecompute,
     Api,
+    AutoRecompute,
     Decision,
     FirstTokenGate,
     ask_for_margin,

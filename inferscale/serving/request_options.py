@@ -111,10 +111,10 @@ WITHOUT_MEMORY = frozenset({"/v1/completions", "/v1/messages",
 
 
 def refuse_memory_elsewhere(path: str, data: object, headers: dict[str, str]) -> None:
-    """Memory is served on chat completions and responses only: a request to another generation route
-    (``WITHOUT_MEMORY``) that asks for it (an ``"inferscale"`` object, ``X-InferScale-User`` or
-    an option's header; ``user`` alone is OpenAI's end-user id there) gets a 400 naming the
-    route, never an answer without the memory it asked for."""
+    """Memory is served on chat completions and responses only: a request to another generation
+    route (``WITHOUT_MEMORY``) that asks for it (an ``"inferscale"`` object, ``X-InferScale-
+    User`` or an option's header; ``user`` alone is OpenAI's end-user id there) gets a 400
+    naming the route, never an answer without the memory it asked for."""
     if path not in WITHOUT_MEMORY:
         return
     named = {"x-inferscale-user", *HEADERS.values()} & set(headers)
