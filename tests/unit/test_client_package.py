@@ -37,7 +37,8 @@ def test_the_wheel_requires_only_http_and_pydantic(wheel):
     requires = metadata.get_all("Requires-Dist") or []
     core = sorted(r.split(">=")[0] for r in requires if "extra ==" not in r)
     assert core == ["httpx", "pydantic"]
-    assert [r for r in requires if "extra ==" in r] == ['mcp==2.3.0; extra == "mcp"']
+    assert sorted(r for r in requires if "extra ==" in r) == [
+        'langgraph==1.2.22; extra == "langgraph"', 'mcp==2.3.0; extra == "mcp"']
     assert metadata["Name"] == "inferscale-client"
     assert {n.split("/")[0] for n in names} == {"inferscale_client",
                                                 meta.split("/")[0]}

@@ -140,16 +140,19 @@ class MemoryClient:
         self.close()
 
     def list_facts(self, user: str, limit: int = 50, cursor: str | None = None,
-                   agent_id: str | None = None, run_id: str | None = None) -> FactPage:
-        """One page of the owner's live facts and the cursor of the next (None: the last)."""
-        return self._send(routes.list_facts(user, limit, cursor, agent_id, run_id))
+                   agent_id: str | None = None, run_id: str | None = None,
+                   filters: dict[str, Any] | None = None) -> FactPage:
+        """One page of the owner's live facts (passing ``filters``) and the cursor of the next
+        (None: the last)."""
+        return self._send(routes.list_facts(user, limit, cursor, agent_id, run_id, filters))
 
     def iter_facts(self, user: str, page: int = 200, agent_id: str | None = None,
-                   run_id: str | None = None) -> Iterator[Fact]:
-        """Every live fact of the owner, page by page."""
+                   run_id: str | None = None, filters: dict[str, Any] | None = None
+                   ) -> Iterator[Fact]:
+        """Every live fact of the owner (passing ``filters``), page by page."""
         cursor = None
         while True:
-            result = self.list_facts(user, page, cursor, agent_id, run_id)
+            result = self.list_facts(user, page, cursor, agent_id, run_id, filters)
             yield from result.facts
             if (cursor := result.next_cursor) is None:
                 return
@@ -189,6 +192,13 @@ class MemoryClient:
 
     def delete_fact(self, user: str, fact_id: int) -> Deleted:
         return self._send(routes.delete_fact(user, fact_id))
+
+    def delete_facts(self, user: str, filters: dict[str, Any] | None,
+                     agent_id: str | None = None, run_id: str | None = None,
+                     limit: int | None = None) -> list[int]:
+        """Delete the owner's live facts of the scope passing ``filters`` (a scope or a filter
+        is required; at most ``limit``, lowest ids first): the ids retired."""
+        return self._send(routes.delete_facts(user, filters, agent_id, run_id, limit))
 
     def add_turns(self, user: str, turns: list[dict[str, Any]], agent_id: str | None = None,
                   run_id: str | None = None) -> TurnsAdded:
@@ -262,14 +272,17 @@ class AsyncMemoryClient:
         await self.aclose()
 
     async def list_facts(self, user: str, limit: int = 50, cursor: str | None = None,
-                         agent_id: str | None = None, run_id: str | None = None) -> FactPage:
-        return await self._send(routes.list_facts(user, limit, cursor, agent_id, run_id))
+                         agent_id: str | None = None, run_id: str | None = None,
+                         filters: dict[str, Any] | None = None) -> FactPage:
+        return await self._send(routes.list_facts(user, limit, cursor, agent_id, run_id,
+                                                  filters))
 
     async def iter_facts(self, user: str, page: int = 200, agent_id: str | None = None,
-                         run_id: str | None = None) -> AsyncIterator[Fact]:
+                         run_id: str | None = None, filters: dict[str, Any] | None = None
+                         ) -> AsyncIterator[Fact]:
         cursor = None
         while True:
-            result = await self.list_facts(user, page, cursor, agent_id, run_id)
+            result = await self.list_facts(user, page, cursor, agent_id, run_id, filters)
             for fact in result.facts:
                 yield fact
             if (cursor := result.next_cursor) is None:
@@ -302,6 +315,11 @@ class AsyncMemoryClient:
 
     async def delete_fact(self, user: str, fact_id: int) -> Deleted:
         return await self._send(routes.delete_fact(user, fact_id))
+
+    async def delete_facts(self, user: str, filters: dict[str, Any] | None,
+                           agent_id: str | None = None, run_id: str | None = None,
+                           limit: int | None = None) -> list[int]:
+        return await self._send(routes.delete_facts(user, filters, agent_id, run_id, limit))
 
     async def add_turns(self, user: str, turns: list[dict[str, Any]],
                         agent_id: str | None = None, run_id: str | None = None) -> TurnsAdded:

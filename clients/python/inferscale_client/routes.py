@@ -6,6 +6,7 @@ quoted into the path whatever they hold; the server validates them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -57,10 +58,13 @@ def _scope(agent_id: str | None, run_id: str | None) -> dict[str, str]:
 
 
 def list_facts(user: str, limit: int, cursor: str | None, agent_id: str | None = None,
-               run_id: str | None = None) -> Call[FactPage]:
+               run_id: str | None = None, filters: dict[str, Any] | None = None
+               ) -> Call[FactPage]:
     params: dict[str, Any] = {"limit": limit, **_scope(agent_id, run_id)}
     if cursor is not None:
         params["cursor"] = cursor
+    if filters is not None:
+        params["filters"] = json.dumps(filters)
     return Call("GET", f"{_user(user)}/facts", FactPage.model_validate, params)
 
 
@@ -110,6 +114,12 @@ def edit_fact(user: str, fact_id: int, text: str | None,
 
 def delete_fact(user: str, fact_id: int) -> Call[Deleted]:
     return Call("DELETE", f"{_user(user)}/facts/{int(fact_id)}", Deleted.model_validate)
+
+
+def delete_facts(user: str, filters: dict[str, Any] | None, agent_id: str | None = None,
+                 run_id: str | None = None, limit: int | None = None) -> Call[list[int]]:
+    return Call("POST", f"{_user(user)}/facts/delete", lambda body: list(body["deleted"]),
+                body={**_scope(agent_id, run_id), **_given(filters=filters, limit=limit)})
 
 
 def add_turns(user: str, turns: list[dict[str, Any]], agent_id: str | None = None,
