@@ -25,6 +25,35 @@ class ChatResult:
     first_top: dict[int, float] = field(default_factory=dict)  # first position: id -> logprob
 
 
+async def _stream_response(client: httpx.AsyncClient, url: str, user: str, question: str,
+                           mode: str, k: int, max_tokens: int, options: dict | None,
+                           salt: str) -> ChatResult:
+    """``stream_chat`` on ``/v1/responses``: TTFT = the first text delta event."""
+    body = {"model": "inferscale", "user": user, "stream": True, "input": question,
+            "max_output_tokens": max_tokens, "temperature": 0, "cache_salt": salt,
+            "inferscale": {"mode": mode, "k": k, **(options or {})}}
+    started = time.perf_counter()
+    ttft, parts = None, []
+    key = None if "authorization" in client.headers else key_for(url)
+    async with client.stream("POST", f"{url}/v1/responses", json=body,
+                             headers={"authorization": f"Bearer {key}"} if key else None
+                             ) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("type") == "response.output_text.delta":
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                parts.append(event.get("delta") or "")
+        headers = {k: v for k, v in response.headers.items() if k.startswith("x-inferscale")}
+    total = time.perf_counter() - started
+    return ChatResult(ttft=ttft if ttft is not None else total, total=total,
+                      text="".join(parts), headers=headers)
+
+
 def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
@@ -32,12 +61,16 @@ def _token_id(token: str) -> int:
 async def stream_chat(client: httpx.AsyncClient, url: str, user: str, question: str, mode: str,
                       k: int, max_tokens: int = 16, fresh: bool = True,
                       options: dict | None = None, top_logprobs: int = 0,
-                      salt: str | None = None) -> ChatResult:
+                      salt: str | None = None, route: str = "chat") -> ChatResult:
     """Send one memory chat request with ``stream: true``; TTFT = first generated token. A
     client without an ``Authorization`` header sends this machine's key (``key_for``).
     ``options`` adds memory options (recompute, order); ``top_logprobs`` > 0 also returns the
     generated token ids and the first position's top logprobs; ``salt`` shares prefix-cache
-    blocks with the requests that carry the same one."""
+    blocks with the requests that carry the same one. ``route="responses"`` asks the same of
+    ``/v1/responses`` (text only: no logprobs)."""
+    if route == "responses":
+        return await _stream_response(client, url, user, question, mode, k, max_tokens,
+                                      options, salt or uuid.uuid4().hex)
     body = {"model": "inferscale", "user": user, "stream": True, "max_tokens": max_tokens,
             "temperature": 0, "messages": [{"role": "user", "content": question}],
             "inferscale": {"mode": mode, "k": k, **(options or {})}}

@@ -88,6 +88,10 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
         from inferscale.lab.bench import pinned
 
         pinned.run(settings, data, out, k=settings.top_k, p=args.pinned)
+    elif args.which == "routes":
+        from inferscale.lab.bench import routes
+
+        routes.run(settings, data, out)
     elif args.which == "inject":
         from transformers import AutoConfig
 
@@ -178,7 +182,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("which", choices=["encode", "ttft", "hybrid", "throughput", "ingest",
                                      "freshness", "load", "extract", "retrieval", "pagein",
                                      "inject", "cost", "memory-api", "soak", "pinned",
-                                     "flood"])
+                                     "flood", "routes"])
     p.add_argument("--data", default=str(SAMPLE),
                    help="a LoCoMo-format file")
     p.add_argument("--out", default="bench-out", help="output folder for JSON and plots")
