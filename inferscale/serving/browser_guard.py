@@ -12,8 +12,8 @@ before any route runs (pure logic over the request's method, path and headers):
   allowed Origin) is refused unless that origin is in ``INFERSCALE_ALLOWED_ORIGINS``; top-level
   navigations are let through (their response goes to the user, not to the page). The refusal
   carries no CORS header, so the page cannot even read it.
-- **Content type**: a body sent to the memory API (Mem0's routes too) or to chat completions
-  must be ``application/json``: the "simple" requests a page may send without a preflight
+- **Content type**: a body sent to the memory API (Mem0's routes too), chat completions or
+  responses must be ``application/json``: the "simple" requests a page may send without a preflight
   (``text/plain``, forms, a ``no-cors`` Blob with no type) are refused.
 """
 
@@ -30,7 +30,7 @@ from inferscale.serving.guards import FrontendError
 from inferscale.serving.mem0_api import MEM0_PREFIXES
 
 PROBE_PATHS = frozenset({"/health", "/ping"})
-JSON_BODY_PATHS = ("/v1/memory", "/v1/chat/completions", *MEM0_PREFIXES)
+JSON_BODY_PATHS = ("/v1/memory", "/v1/chat/completions", "/v1/responses", *MEM0_PREFIXES)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 _HOST = re.compile(r"^(?:\[(?P<v6>[0-9a-fA-F:.]+)\]|(?P<name>[^:\[\]]+))(?::(?P<port>\d{1,5}))?$")

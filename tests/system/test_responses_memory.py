@@ -110,6 +110,16 @@ def test_hostile_responses_requests_are_refused_by_name(served, ines):
     unkeyed = httpx.post(f"{served.url}/v1/responses", timeout=60, json={
         "model": "inferscale", "input": QUESTION, "user": ines, "max_output_tokens": 4})
     assert unkeyed.status_code == 401
+    body = json.dumps({"model": "inferscale", "input": QUESTION, "user": ines,
+                       "max_output_tokens": 4})
+    for headers, status in (({"content-type": "text/plain"}, 415),
+                            ({"content-type": "application/json",
+                              "origin": "http://evil.example"}, 403),
+                            ({"content-type": "application/json", "host": "evil.example"}, 403),
+                            ({"content-type": "application/json"}, 200)):  # the right key
+        answered = httpx.post(f"{served.url}/v1/responses", content=body, timeout=60,
+                              headers={**AUTH, **headers})
+        assert answered.status_code == status, (headers, answered.text)
 
 
 async def test_the_agents_sdk_gets_memory_unchanged_and_records_the_exchange(served, ines):

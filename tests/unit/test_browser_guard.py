@@ -99,7 +99,8 @@ def test_memory_and_chat_bodies_must_be_json(content_type, status):
     if content_type is not None:
         headers["content-type"] = content_type
     for method, path in (("POST", "/v1/memory/forget"), ("PATCH", "/v1/memory/users/u/facts/1"),
-                         ("POST", "/v1/memory/users/u/turns"), ("POST", "/v1/chat/completions")):
+                         ("POST", "/v1/memory/users/u/turns"), ("POST", "/v1/chat/completions"),
+                         ("POST", "/v1/responses")):
         assert _status(DEFAULT, method, path, headers) == status, (method, path)
     # vLLM's other routes keep their own types (an audio upload is multipart)
     assert _status(DEFAULT, "POST", "/v1/audio/transcriptions", headers) == 200
