@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -33,25 +34,32 @@ async def _stream_response(client: httpx.AsyncClient, url: str, user: str, quest
             "max_output_tokens": max_tokens, "temperature": 0, "cache_salt": salt,
             "inferscale": {"mode": mode, "k": k, **(options or {})}}
     started = time.perf_counter()
-    ttft, parts = None, []
+    ttft, parts, headers = None, [], dict[str, str]()
+    async for event in _events(client, url, "/v1/responses", body, headers):
+        if event.get("type") == "response.output_text.delta":
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            parts.append(event.get("delta") or "")
+    total = time.perf_counter() - started
+    return ChatResult(ttft=ttft if ttft is not None else total, total=total,
+                      text="".join(parts), headers=headers)
+
+
+async def _events(client: httpx.AsyncClient, url: str, path: str, body: dict,
+                  headers: dict[str, str]) -> AsyncIterator[dict]:
+    """The JSON events of one streamed request (``headers`` gets its ``x-inferscale-*``
+    headers). A client without an ``Authorization`` header sends this machine's key."""
     key = None if "authorization" in client.headers else key_for(url)
-    async with client.stream("POST", f"{url}/v1/responses", json=body,
+    async with client.stream("POST", f"{url}{path}", json=body,
                              headers={"authorization": f"Bearer {key}"} if key else None
                              ) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
+        headers.update({k: v for k, v in response.headers.items()
+                        if k.startswith("x-inferscale")})
         async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("type") == "response.output_text.delta":
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                parts.append(event.get("delta") or "")
-        headers = {k: v for k, v in response.headers.items() if k.startswith("x-inferscale")}
-    total = time.perf_counter() - started
-    return ChatResult(ttft=ttft if ttft is not None else total, total=total,
-                      text="".join(parts), headers=headers)
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
 
 
 def _token_id(token: str) -> int:
@@ -82,27 +90,19 @@ async def stream_chat(client: httpx.AsyncClient, url: str, user: str, question: 
     ttft = None
     parts: list[str] = []
     result = ChatResult(ttft=0.0, total=0.0, text="", headers={})
-    key = None if "authorization" in client.headers else key_for(url)
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
-                             headers={"authorization": f"Bearer {key}"} if key else None
-                             ) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            delta = choice["delta"].get("content") or ""
-            tokens = (choice.get("logprobs") or {}).get("content") or []
-            if (delta or tokens) and ttft is None:
-                ttft = time.perf_counter() - started
-            for item in tokens:
-                if not result.token_ids:
-                    result.first_top = {_token_id(t["token"]): t["logprob"]
-                                        for t in item["top_logprobs"]}
-                result.token_ids.append(_token_id(item["token"]))
-            parts.append(delta)
-        headers = {k: v for k, v in response.headers.items() if k.startswith("x-inferscale")}
+    headers: dict[str, str] = {}
+    async for event in _events(client, url, "/v1/chat/completions", body, headers):
+        choice = event["choices"][0]
+        delta = choice["delta"].get("content") or ""
+        tokens = (choice.get("logprobs") or {}).get("content") or []
+        if (delta or tokens) and ttft is None:
+            ttft = time.perf_counter() - started
+        for item in tokens:
+            if not result.token_ids:
+                result.first_top = {_token_id(t["token"]): t["logprob"]
+                                    for t in item["top_logprobs"]}
+            result.token_ids.append(_token_id(item["token"]))
+        parts.append(delta)
     result.total = time.perf_counter() - started
     result.ttft = ttft if ttft is not None else result.total
     result.text, result.headers = "".join(parts), headers
