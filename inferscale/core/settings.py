@@ -30,13 +30,21 @@ S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 class KeyGrant(BaseModel):
     """What one API key may do: act for these owners ("*": any), and optionally only for some
-    of their agents / runs (None: any) or only read."""
+    of their agents / runs (None: any) or only read; ``record``: whether its memory requests
+    record their conversations unless they say (None: the server's ``record_conversations``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     owners: list[str] = Field(min_length=1)
     agents: list[str] | None = None
     runs: list[str] | None = None
     read_only: bool = False
+    record: bool | None = Field(default=None, strict=True)
+
+    @model_validator(mode="after")
+    def _record_needs_writes(self) -> KeyGrant:
+        if self.record and self.read_only:
+            raise ValueError("a read-only key cannot record conversations by default")
+        return self
 
     @property
     def admin(self) -> bool:
@@ -362,7 +370,9 @@ class Settings(BaseSettings):
         default_factory=dict, repr=False, description=(
             "Bearer key -> what it may do, as JSON: a list of the owners it may act for (\"*\": "
             "any), or {\"owners\": [...], \"agents\": [...], \"runs\": [...], \"read_only\": "
-            "true} (agents / runs: only those of the owners; read_only: no edits). Unset: the "
+            "true, \"record\": true} (agents / runs: only those of the owners; read_only: no "
+            "edits; record: its chats and responses record their conversations unless they "
+            "say, over record_conversations). Unset: the "
             "server makes a local admin key (data_dir/api_key, 0600) that this machine's CLI, "
             "client and demo pick up."))
     allow_anonymous: bool = Field(default=False, description=(

@@ -75,6 +75,7 @@ from inferscale.serving.request_options import (
     MemoryOptions,
     owner_and_options,
     refuse_memory_elsewhere,
+    request_owner,
 )
 from inferscale.serving.responses_input import response_messages, stored_history
 from inferscale.serving.route_policy import Kind, RoutePolicy
@@ -285,7 +286,9 @@ class MemoryFrontend:
         if api is None or not isinstance(data, dict):
             refuse_memory_elsewhere(path, data, headers)
             return _Rewritten(body)
-        owner, options = owner_and_options(data, headers, self.settings)
+        record = (self.access.caller(headers, client)[0].record
+                  if request_owner(data, headers) is not None else None)
+        owner, options = owner_and_options(data, headers, self.settings, record)
         if owner is None:
             return _Rewritten(json.dumps(data).encode())
         self.access.authorize(headers, owner, scope=named_scope(options.scope, options.where),

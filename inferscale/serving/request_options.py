@@ -125,14 +125,22 @@ def refuse_memory_elsewhere(path: str, data: object, headers: dict[str, str]) ->
                                  f"{sorted(named) or ['the inferscale object']})")
 
 
-def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
-                      ) -> tuple[str | None, MemoryOptions]:
-    """The memory owner (``user`` or ``X-InferScale-User``; None: no memory) and the options
-    (the body's ``"inferscale"`` object is removed from ``data``); 400 for anything invalid."""
+def request_owner(data: dict, headers: dict[str, str]) -> str | None:
+    """The memory owner (``X-InferScale-User``, else ``user``; None: no memory); 400 where it
+    is not an owner id."""
     owner = headers.get("x-inferscale-user") or data.get("user")
     if owner is not None and not is_owner_id(owner):
         raise FrontendError(400, "the memory owner must be a string of 1-256 characters, no "
                                  "control characters")
+    return owner
+
+
+def owner_and_options(data: dict, headers: dict[str, str], settings: Settings,
+                      record: bool | None = None) -> tuple[str | None, MemoryOptions]:
+    """The memory owner (``request_owner``) and the options (the body's ``"inferscale"``
+    object is removed from ``data``; ``record``: the caller's key's default, over the
+    server's); 400 for anything invalid."""
+    owner = request_owner(data, headers)
     given = data.pop("inferscale", None) or {}
     if not isinstance(given, dict):
         raise FrontendError(400, "'inferscale' must be an object like {\"mode\": \"inject\"}")
@@ -146,7 +154,7 @@ def owner_and_options(data: dict, headers: dict[str, str], settings: Settings
                 "lead": settings.lead_encoding,
                 "key_scales": settings.key_scale_strength if settings.key_scales != "off"
                 else 0.0, "agent_id": None, "run_id": None,
-                "record": settings.record_conversations}
+                "record": settings.record_conversations if record is None else record}
     raw = {name: given[name] if given.get(name) is not None else headers.get(header,
                                                                            defaults[name])
            for name, header in HEADERS.items()}

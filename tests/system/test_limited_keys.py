@@ -27,6 +27,7 @@ KEYS = {
     "reader": {"owners": ["*"], "read_only": True},
     "agent-a-reader": {"owners": ["*"], "agents": ["a"], "read_only": True},
     "alice-a": {"owners": ["alice"], "agents": ["a"]},
+    "recorder": {"owners": ["bob"], "record": True},  # records unless a request says not to
 }
 ADMIN = {"authorization": f"Bearer {SUITE_KEY}"}
 FLOOD_FACTS = 3000
@@ -197,3 +198,27 @@ def test_only_a_key_that_may_write_records_a_conversation(keyed):
     allowed = chat("alice-a", "a")
     assert allowed.status_code == 200, allowed.text
     assert len(allowed.headers["x-inferscale-recorded-turns"].split(",")) == 2
+
+
+def test_a_keys_record_default_records_unless_the_request_says_not_to(keyed):
+    """A key granted ``"record": true`` records its chats and responses without asking; a
+    request's own ``"record": false`` wins; another key's requests record nothing."""
+    def ask(key: str, route: str, record: bool | None) -> httpx.Response:
+        options = {"mode": "text", **({"record": record} if record is not None else {})}
+        body = ({"messages": [{"role": "user", "content": "I moved."}], "max_tokens": 2}
+                if route == "chat/completions" else {"input": "I moved.",
+                                                     "max_output_tokens": 2})
+        return httpx.post(f"{keyed.url}/v1/{route}", headers=_bearer(key), timeout=120,
+                          json={"model": "inferscale", "user": "bob", "inferscale": options,
+                                **body})
+
+    for route in ("chat/completions", "responses"):
+        recorded = ask("recorder", route, None)
+        assert recorded.status_code == 200, recorded.text
+        assert len(recorded.headers["x-inferscale-recorded-turns"].split(",")) == 2
+        declined = ask("recorder", route, False)
+        assert declined.status_code == 200
+        assert "x-inferscale-recorded-turns" not in declined.headers
+        admin = ask(SUITE_KEY, route, None)
+        assert admin.status_code == 200
+        assert "x-inferscale-recorded-turns" not in admin.headers

@@ -157,6 +157,31 @@ def test_record_is_a_request_option_over_the_servers_default(data, headers, serv
     assert options.record is expected
 
 
+@pytest.mark.parametrize(("data", "key", "server", "expected"), [
+    ({}, None, True, True),
+    ({}, True, False, True),
+    ({}, False, True, False),
+    ({"inferscale": {"record": False}}, True, True, False),
+    ({"inferscale": {"record": True}}, False, False, True),
+])
+def test_a_keys_default_is_between_the_request_and_the_server(data, key, server, expected):
+    _, options = owner_and_options({"user": "alice", **data}, {},
+                                   Settings(record_conversations=server), key)
+    assert options.record is expected
+
+
+def test_a_key_grant_takes_record_as_a_flag_and_never_with_read_only():
+    from pydantic import ValidationError
+
+    from inferscale.core.settings import KeyGrant
+
+    assert KeyGrant(owners=["*"], record=True).record is True
+    assert KeyGrant(owners=["*"]).record is None
+    for bad in ({"record": "yes"}, {"record": 1}, {"record": True, "read_only": True}):
+        with pytest.raises(ValidationError):
+            KeyGrant(owners=["*"], **bad)
+
+
 @pytest.mark.parametrize("value", ["yes", 2, "maybe", [True]])
 def test_a_record_that_is_not_a_flag_is_a_400_naming_it(value):
     with pytest.raises(FrontendError) as refused:
