@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, date, datetime, time, timedelta
+from types import EllipsisType
 from typing import Annotated, Any, Final, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -193,9 +194,12 @@ class AddBody(_Mem0Body):
 
     @property
     def expires_at(self) -> datetime | None:
-        if self.expiration_date is None:
-            return None
-        return datetime.combine(self.expiration_date, time.min, UTC) + timedelta(days=1)
+        return end_of_day(self.expiration_date)
+
+
+def end_of_day(day: date | None) -> datetime | None:
+    """When a memory with this ``expiration_date`` stops being served (None: never)."""
+    return None if day is None else datetime.combine(day, time.min, UTC) + timedelta(days=1)
 
 
 class ListBody(_Mem0Body):
@@ -216,12 +220,21 @@ class SearchBody(ListBody):
 class UpdateBody(_Mem0Body):
     text: str | None = Field(default=None, min_length=1, max_length=MAX_TEXT)
     metadata: Metadata | None = None
+    expiration_date: date | None = None  # given as null: never expires; absent: as it was
 
     @model_validator(mode="after")
     def _something(self) -> UpdateBody:
-        if self.text is None and self.metadata is None:
-            raise ValueError("an update sets text, metadata or both")
+        if (self.text is None and self.metadata is None
+                and "expiration_date" not in self.model_fields_set):
+            raise ValueError("an update sets text, metadata and / or expiration_date")
         return self
+
+    @property
+    def expiry(self) -> datetime | None | EllipsisType:
+        """The new version's expiry (``...``: the old one's)."""
+        if "expiration_date" not in self.model_fields_set:
+            return ...
+        return end_of_day(self.expiration_date)
 
 
 class BatchItem(UpdateBody):
@@ -381,10 +394,11 @@ async def get(memory_id: str, service: Service, caller: Admission) -> dict[str, 
             response_model=Mem0Memory)
 async def update(memory_id: str, body: UpdateBody, service: Service, caller: Admission
                  ) -> dict[str, Any]:
-    """A new version with the new text and / or metadata (a new id; the old one follows it)."""
+    """A new version with the new text, metadata and / or expiry (a new id; the old one
+    follows it)."""
     grant, record = await _fact(service, caller, memory_id, write=True)
     return memory_json(await ops.edit_fact(service, grant, record.user_id, record.id,
-                                           body.text, body.metadata))
+                                           body.text, body.metadata, body.expiry))
 
 
 @router.delete("/v1/memories/{memory_id}/", summary="Mem0: delete a memory",
@@ -444,7 +458,8 @@ async def batch_update(body: BatchUpdate, service: Service, caller: Admission
     """Each memory found and admitted first (any refusal changes nothing), then updated."""
     found = [await _fact(service, caller, item.memory_id, write=True) for item in body.memories]
     for (grant, record), item in zip(found, body.memories, strict=True):
-        await ops.edit_fact(service, grant, record.user_id, record.id, item.text, item.metadata)
+        await ops.edit_fact(service, grant, record.user_id, record.id, item.text, item.metadata,
+                            item.expiry)
     return {"message": f"Successfully updated {len(found)} memories"}
 
 

@@ -145,6 +145,13 @@ def test_an_expiration_date_ends_a_memory_after_that_day(served, mem0):
     assert [m["id"] for m in mem0.search("Where did I live?", filters={"user_id": user})[
         "results"]] == [lasting]
     assert mem0.get(lasting)["expiration_date"] == "2999-12-31"
+    sooner = mem0.update(lasting, expiration_date="2998-01-31")  # a new version, new expiry
+    assert sooner["expiration_date"] == "2998-01-31" and sooner["memory"] == "I keep bees."
+    cleared = mem0.update(lasting, expiration_date=None)  # never expires
+    assert cleared["expiration_date"] is None
+    expired = mem0.update(lasting, expiration_date="2020-01-01")  # ended: never served again
+    assert mem0.get_all(filters={"user_id": user})["results"] == []
+    assert expired["id"] != cleared["id"]
 
 
 def test_what_has_no_meaning_here_is_a_4xx_naming_it(served, mem0):

@@ -43,3 +43,19 @@ def test_mem0s_output_format_is_taken_only_for_the_format_served():
     assert SearchBody.model_validate({"query": "q", "user_id": "u", "output_format": "v1.1"})
     with pytest.raises(ValidationError, match="output_format"):
         SearchBody.model_validate({"query": "q", "user_id": "u", "output_format": "v1.0"})
+
+
+def test_a_mem0_update_keeps_clears_or_sets_the_expiry_as_its_body_says():
+    from datetime import UTC, datetime
+
+    from inferscale.serving.mem0_api import BatchItem, UpdateBody
+
+    assert UpdateBody.model_validate({"text": "x"}).expiry is ...  # absent: as it was
+    assert UpdateBody.model_validate({"expiration_date": None}).expiry is None  # cleared
+    assert UpdateBody.model_validate({"expiration_date": "2030-01-31"}).expiry == datetime(
+        2030, 2, 1, tzinfo=UTC)  # served through that day
+    assert BatchItem.model_validate({"memory_id": "1", "expiration_date": None}).expiry is None
+    for bad in ({}, {"expiration_date": "soon"}, {"expiration_date": 5},
+                {"text": "x", "timestamp": 5}):
+        with pytest.raises(ValidationError):
+            UpdateBody.model_validate(bad)
