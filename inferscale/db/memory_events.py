@@ -91,6 +91,12 @@ _FACTS = text("""
                 bindparam("fact_ids", type_=ARRAY(BigInteger)))
 
 
+async def event_owner(conn: AsyncConnection, event_id: str) -> str | None:
+    """The owner of an event (None: no such event)."""
+    return (await conn.execute(select(memory_events.c.user_id).where(
+        memory_events.c.id == event_id))).scalar_one_or_none()
+
+
 async def event_progress(conn: AsyncConnection, user_id: str, event_id: str, model: str
                          ) -> EventProgress | None:
     """How far the owner's event has come for ``model`` (None: the owner has no such event)."""

@@ -20,6 +20,7 @@ key may not act for: it tells nothing of other owners' facts.
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, date, datetime, time, timedelta
 from types import EllipsisType
@@ -34,7 +35,7 @@ from inferscale.contracts.filters import EVERYTHING, Node, pinned
 from inferscale.contracts.metadata import Metadata
 from inferscale.contracts.scope import ANY, Scope, ScopeValue, is_owner_id
 from inferscale.core.settings import KeyGrant
-from inferscale.db import memory_edits
+from inferscale.db import memory_edits, memory_events
 from inferscale.db.memory_edits import FactRecord
 from inferscale.serving import memory_ops as ops
 from inferscale.serving.memory_models import ERRORS
@@ -124,6 +125,23 @@ class Results(BaseModel):
 
 class Message(BaseModel):
     message: str
+
+
+class EventResult(BaseModel):
+    id: str  # a memory the add produced
+    event: Literal["ADD"]
+    user_id: str
+    encoded: bool  # its KV made for the served model
+
+
+class Mem0Event(BaseModel):
+    id: str
+    event_type: Literal["ADD"]
+    # PENDING: turns not all stored; RUNNING: stored, not all extracted and encoded
+    status: Literal["PENDING", "RUNNING", "SUCCEEDED"]
+    results: list[EventResult]
+    created_at: str
+    stage: str  # the native event's (``GET /v1/memory/users/{user}/events/{id}``)
 
 
 class HistoryEntry(BaseModel):
@@ -410,6 +428,30 @@ async def delete(memory_id: str, service: Service, caller: Admission,
     grant, record = await _fact(service, caller, memory_id, write=True)
     await ops.delete_fact(service, grant, record.user_id, record.id)
     return {"message": "Memory deleted successfully!"}
+
+
+@router.get("/v1/event/{event_id}/", summary="Mem0: how far an add has come",
+            response_model=Mem0Event)
+async def event(event_id: str, service: Service, caller: Admission) -> dict[str, Any]:
+    """An add's event (its ``event_id``) as Mem0's: ``SUCCEEDED`` once every fact it produced
+    is encoded. 404 for an event the key may not see, whoever owns it."""
+    grant = caller.known()
+    missing = HTTPException(404, f"no event {event_id[:40]!r}")
+    if not re.fullmatch(ops.EVENT_ID_PATTERN, event_id):
+        raise missing
+    owner = await ops.in_transaction(
+        service, lambda conn, _: memory_events.event_owner(conn, event_id))
+    if owner is None or ("*" not in grant.owners and owner not in grant.owners):
+        caller.missed()
+        raise missing
+    caller.admit(owner, None)
+    progress = await ops.event_progress(service, grant, owner, event_id)
+    stage = progress.stage
+    return {"id": progress.id, "event_type": "ADD",
+            "status": {"queued": "PENDING", "encoded": "SUCCEEDED"}.get(stage, "RUNNING"),
+            "results": [{"id": str(f.id), "event": "ADD", "user_id": owner,
+                         "encoded": f.encoded} for f in progress.facts],
+            "created_at": progress.created_at.isoformat(), "stage": stage}
 
 
 @router.get("/v1/memories/{memory_id}/history/", summary="Mem0: a memory's history",

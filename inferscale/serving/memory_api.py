@@ -340,7 +340,7 @@ async def add_turns(user_id: str, body: TurnsBody, service: Service, caller: Adm
 
 @router.get(API + "/users/{user_id}/events/{event_id}", summary="How far an add has come",
             response_model=EventStatus)
-async def event(user_id: str, event_id: Annotated[str, Path(pattern="^[0-9a-f]{32}$")],
+async def event(user_id: str, event_id: Annotated[str, Path(pattern=ops.EVENT_ID_PATTERN)],
                 service: Service, caller: Admission,
                 wait: Annotated[float, Query(ge=0, le=ops.MAX_WAIT_S)] = 0.0) -> dict[str, Any]:
     """The stage of an add of turns or a fact (``queued``, ``stored``, ``extracted``,

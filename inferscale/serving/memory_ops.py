@@ -58,6 +58,7 @@ from inferscale.serving.retrieval import retrieve
 
 STATE_KEY = "inferscale_memory"  # the service's name on the app's state
 MAX_WAIT_S = 60.0  # the longest a read of an event waits for it to be encoded
+EVENT_ID_PATTERN = "^[0-9a-f]{32}$"  # an event id, as record_event makes them
 POLL_S = 0.25
 T = TypeVar("T")
 # An owner, agent or run id as a query parameter.

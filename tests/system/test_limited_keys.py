@@ -222,3 +222,15 @@ def test_a_keys_record_default_records_unless_the_request_says_not_to(keyed):
         admin = ask(SUITE_KEY, route, None)
         assert admin.status_code == 200
         assert "x-inferscale-recorded-turns" not in admin.headers
+
+
+def test_an_event_of_an_owner_the_key_may_not_act_for_is_not_found(keyed):
+    """Mem0's event route finds an event by its id alone: a key that may not act for its owner
+    gets the 404 of an unknown id, and its owner's key the event."""
+    added = httpx.post(f"{keyed.url}/v1/memory/users/bob/facts", headers=ADMIN, timeout=60,
+                       json={"text": "Bob keeps bees."})
+    assert added.status_code == 201, added.text
+    event = f"{keyed.url}/v1/event/{added.json()['event_id']}/"
+    assert httpx.get(event, headers=_bearer("alice-a"), timeout=60).status_code == 404
+    theirs = httpx.get(event, headers=_bearer("recorder"), timeout=60)  # bob's key
+    assert theirs.status_code == 200 and theirs.json()["results"][0]["user_id"] == "bob"

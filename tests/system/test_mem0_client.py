@@ -214,6 +214,9 @@ def test_hostile_requests_to_mem0_routes_are_refused_and_change_nothing(served, 
         "not an id": (http.get("/v1/memories/abc/", headers=token), 404),
         "a huge id": (http.get(f"/v1/memories/{10**30}/", headers=token), 404),
         "empty update": (http.put(f"/v1/memories/{kept}/", json={}, headers=token), 400),
+        "not an event": (http.get("/v1/event/nope/", headers=token), 404),
+        "an unknown event": (http.get(f"/v1/event/{uuid.uuid4().hex}/", headers=token), 404),
+        "an event no key": (http.get(f"/v1/event/{uuid.uuid4().hex}/"), 401),
         "huge batch": (http.request("DELETE", "/v1/batch/", json={"memories": [
             {"memory_id": kept}] * 1001}, headers=token), 400),
     }
@@ -223,6 +226,34 @@ def test_hostile_requests_to_mem0_routes_are_refused_and_change_nothing(served, 
     bearer = httpx.get(f"{served.url}/v1/memories/{kept}/", headers=AUTH)  # Bearer works too
     assert bearer.status_code == 200 and bearer.json()["memory"] == "I keep bees."
     assert _ids(mem0.get_all(filters={"user_id": user})) == [kept]  # nothing changed
+
+
+async def test_an_adds_event_says_how_far_it_has_come(served, mem0, smol, base_settings,
+                                                      engine, embedder):
+    """Mem0's event route: the ``event_id`` of an add is ``RUNNING`` until its memory is
+    encoded, then ``SUCCEEDED``, with the memory it produced."""
+    user = f"mem0-{uuid.uuid4().hex[:6]}"
+    added = mem0.add("I keep bees.", user_id=user, infer=False)
+    memory_id, event_id = added["results"][0]["id"], added["event_id"]
+    token = {"authorization": f"Token {SUITE_KEY}"}
+
+    def event() -> dict:
+        answered = httpx.get(f"{served.url}/v1/event/{event_id}/", headers=token, timeout=30)
+        assert answered.status_code == 200, answered.text
+        return answered.json()
+
+    stored = event()
+    assert (stored["id"], stored["event_type"], stored["status"]) == (event_id, "ADD",
+                                                                      "RUNNING")
+    assert [(r["id"], r["user_id"], r["encoded"]) for r in stored["results"]] == [
+        (memory_id, user, False)]
+    encoder, store = smol
+    drain = base_settings.model_copy(update={
+        "turns_topic": served.settings.turns_topic, "consumer_group": f"ev-{user}",
+        **{k: getattr(served.settings, k) for k in ("model_path", "kv_dir", "window")}})
+    await ingest_and_encode(drain, engine, embedder, [], encoder, store)
+    encoded = event()
+    assert encoded["status"] == "SUCCEEDED" and encoded["results"][0]["encoded"] is True
 
 
 def test_reset_forgets_every_owner_the_key_may_act_for(served, mem0):
