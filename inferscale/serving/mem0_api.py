@@ -42,7 +42,7 @@ from inferscale.serving.memory_models import ERRORS
 from inferscale.serving.memory_ops import Admission, Service
 
 MEM0_PREFIXES: Final = ("/v1/ping/", "/v1/memories/", "/v3/memories/", "/v1/batch/",
-                        "/v1/entities/", "/v2/entities/")
+                        "/v1/entities/", "/v2/entities/", "/v1/event/")
 MAX_MESSAGES: Final = 100
 MAX_TEXT: Final = 4000
 MAX_BATCH: Final = 1000

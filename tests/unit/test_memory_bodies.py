@@ -59,3 +59,11 @@ def test_a_mem0_update_keeps_clears_or_sets_the_expiry_as_its_body_says():
                 {"text": "x", "timestamp": 5}):
         with pytest.raises(ValidationError):
             UpdateBody.model_validate(bad)
+
+
+def test_every_mem0_route_is_under_a_mem0_prefix():
+    """Mem0's ``Token`` header and the browser's JSON rule hold on exactly these prefixes."""
+    from inferscale.serving.mem0_api import MEM0_PREFIXES, router
+
+    paths = [route.path for route in router.routes]
+    assert paths and all(path.startswith(MEM0_PREFIXES) for path in paths), paths
