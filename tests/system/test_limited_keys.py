@@ -234,3 +234,26 @@ def test_an_event_of_an_owner_the_key_may_not_act_for_is_not_found(keyed):
     assert httpx.get(event, headers=_bearer("alice-a"), timeout=60).status_code == 404
     theirs = httpx.get(event, headers=_bearer("recorder"), timeout=60)  # bob's key
     assert theirs.status_code == 200 and theirs.json()["results"][0]["user_id"] == "bob"
+
+
+def test_the_responses_route_and_langgraphs_store_honour_each_kind_of_key(keyed):
+    """The new roads in with a key of each kind: admin and owner-scoped keys answer and write,
+    a read-only key reads but may not record or store, a key for another owner is refused."""
+    from inferscale_client.langgraph_store import InferScaleStore
+
+    def respond(key: str, record: bool) -> httpx.Response:
+        return httpx.post(f"{keyed.url}/v1/responses", headers=_bearer(key), timeout=120,
+                          json={"model": "inferscale", "user": "bob", "input": "Hi",
+                                "max_output_tokens": 2,
+                                "inferscale": {"mode": "text", "record": record}})
+
+    assert respond(SUITE_KEY, False).status_code == 200
+    assert respond("recorder", True).status_code == 200
+    assert respond("reader", False).status_code == 200
+    assert respond("reader", True).status_code == 403
+    assert respond("alice-a", False).status_code == 403
+    for key in (SUITE_KEY, "recorder"):
+        InferScaleStore(keyed.url, api_key=key).put(("bob", "notes"), key[:8], {"text": "x"})
+    assert InferScaleStore(keyed.url, api_key="reader").get(("bob", "notes"), "recorder")
+    with pytest.raises(Exception, match="403"):
+        InferScaleStore(keyed.url, api_key="reader").put(("bob", "notes"), "k", {"text": "y"})
