@@ -356,6 +356,12 @@ class Settings(BaseSettings):
         "completion that ends with 200 publishes the user's new messages and the answer as "
         "turns of its owner (a request's \"record\" / X-InferScale-Record overrides it; the key "
         "must be allowed to write)."))
+    record_outbox_turns: int = Field(default=10_000, gt=0, description=(
+        "Recorded turns a server keeps while the broker cannot take them (it retries until it "
+        "does, in order); past this, a new recording is dropped, logged and counted."))
+    record_drain_s: float = Field(default=10.0, ge=0, allow_inf_nan=False, description=(
+        "At shutdown, how long a server waits for the broker to take the recorded turns it "
+        "still holds (what is left is logged and counted as lost)."))
     fact_order: Literal["relevance", "time"] = Field(default="relevance", description=(
         "Order of the retrieved facts in the prompt: \"relevance\" (best last, as the paper "
         "does) or \"time\" (the order they were stored in: a user's conversation order)."))

@@ -7,7 +7,8 @@ the request's agent / run scope, conversation ``run_id`` (else ``"chat"``). Turn
 the request id (the client's ``X-Request-Id``, else a fresh one), so a retried request records
 once (turns are unique per owner, conversation and id). The response says up front which turns
 it records (``x-inferscale-recorded-turns``); publishing happens after the last byte, off the
-answer, and a failure is logged and counted, never seen by the client. A response that does not
+answer, through the outbox that retries until the broker takes them (``recording_outbox.py``),
+never seen by the client. A response that does not
 complete (the client went away, an error status, a stream cut short) records nothing. Under
 recompute auto only the answering attempt reaches the capture (the gates drop the others).
 """
@@ -140,7 +141,7 @@ class AnswerCapture:
     has completed with 200, ``done`` gets the answer's text (not where it has none)."""
 
     send: Send
-    done: Callable[[str], None]
+    done: Callable[[str], object]
     _status: int = 0
     _streamed: bool = False
     _body: bytearray = field(default_factory=bytearray)

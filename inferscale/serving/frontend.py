@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 
 from starlette._utils import get_route_path
 
-from inferscale.contracts.events import TurnEvent
 from inferscale.contracts.plan import PLAN_KEY, sign
 from inferscale.core.local_key import is_loopback_host
 from inferscale.core.settings import Settings, get_settings
@@ -71,6 +70,7 @@ from inferscale.serving.memory_api import memory_endpoints, serve_memory
 from inferscale.serving.memory_ops import named_scope, publish_turns
 from inferscale.serving.memory_service import EngineMemory
 from inferscale.serving.metrics import FRONTEND_METRICS as M
+from inferscale.serving.recording_outbox import RecordingOutbox
 from inferscale.serving.request_options import (
     MemoryOptions,
     owner_and_options,
@@ -97,7 +97,8 @@ class MemoryFrontend:
         self.settings = settings or get_settings()
         self.memory = EngineMemory(self.settings)
         self.access = self.memory.access
-        self._publishing: set[asyncio.Task[None]] = set()  # recorded turns on their way
+        self.recordings = RecordingOutbox(lambda turns: publish_turns(self.memory, turns),
+                                          self.settings.record_outbox_turns)
         self.salts = CacheSalts(self.settings.plan_secret or "")
         self._routes: RoutePolicy | None = None  # built at the first request (routes added)
         self._server: object = None  # vLLM's app (its Responses store), known at start-up
@@ -118,6 +119,7 @@ class MemoryFrontend:
             self._server = scope["app"]
             serve_memory(scope["app"], self.memory)
             self.memory.bind(scope["app"])
+            receive = self._draining(receive)
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         scope = token_as_bearer(scope)
@@ -172,24 +174,20 @@ class MemoryFrontend:
 
     def _recorder(self, send, recording: Recording):
         """``send`` that says which turns the response records and, once it has completed,
-        publishes them in the background (``conversation_record.py``)."""
-        def publish(answer: str) -> None:
-            task = asyncio.get_running_loop().create_task(
-                self._publish_turns(recording.turns(answer)))
-            self._publishing.add(task)
-            task.add_done_callback(self._publishing.discard)
+        hands them to the outbox that publishes them (``recording_outbox.py``)."""
+        return AnswerCapture(adding(send, recording.headers()),
+                             lambda answer: self.recordings.put(recording.turns(answer)))
 
-        return AnswerCapture(adding(send, recording.headers()), publish)
+    def _draining(self, receive):
+        """The lifespan's ``receive``: at shutdown, the recorded turns still held are given
+        ``record_drain_s`` to reach the broker before the server goes."""
+        async def receive_draining():
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self.recordings.close(self.settings.record_drain_s)
+            return message
 
-    async def _publish_turns(self, turns: list[TurnEvent]) -> None:
-        try:
-            await publish_turns(self.memory, turns)
-        except Exception as exc:  # noqa: BLE001 - off the answer: logged and counted
-            log.warning("recording %d turns of %s failed: %s", len(turns), turns[0].user_id,
-                        getattr(exc, "detail", exc))
-            M.recorded_turns.labels("failed").inc(len(turns))
-            return
-        M.recorded_turns.labels("published").inc(len(turns))
+        return receive_draining
 
     async def _answer_auto(self, scope, client: Downstream, send, rewritten: _Rewritten):
         """``"recompute": "auto"``: the m = 0 attempt behind a ``FirstTokenGate``; where the
