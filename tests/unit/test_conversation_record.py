@@ -1,7 +1,6 @@
 """Memory that records its own conversations (pure logic over ASGI messages and turns): which
 turns a request records, under which ids, and only once its answer has completed with 200."""
 
-import asyncio
 import json
 
 import pytest
