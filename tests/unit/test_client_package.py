@@ -29,14 +29,14 @@ def wheel(tmp_path_factory) -> Path:
     return build_wheel(source, root / "dist")
 
 
-def test_the_wheel_requires_only_http_and_pydantic(wheel):
+def test_the_wheel_requires_only_http_pydantic_and_retries(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = Parser().parsestr(archive.read(meta).decode())
     requires = metadata.get_all("Requires-Dist") or []
     core = sorted(r.split(">=")[0] for r in requires if "extra ==" not in r)
-    assert core == ["httpx", "pydantic"]
+    assert core == ["httpx", "pydantic", "tenacity"]
     assert sorted(r for r in requires if "extra ==" in r) == [
         'langgraph==1.2.22; extra == "langgraph"', 'mcp==2.3.0; extra == "mcp"']
     assert metadata["Name"] == "inferscale-client"
@@ -138,24 +138,38 @@ def test_the_mcp_server_will_not_serve_http_without_a_key(monkeypatch, capsys):
     assert "--http needs a key" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("status", "method", "headers", "attempt", "expected"), [
-    (429, "POST", {"retry-after": "2"}, 0, 2.0),  # refused before anything was done: any method
-    (429, "POST", {"retry-after": "120"}, 0, 10.0),  # never longer than max_wait_s
-    (429, "GET", {}, 1, 1.0),  # no Retry-After: 0.5 s doubling
-    (429, "GET", {"retry-after": "soon"}, 0, 0.5),
-    (503, "GET", {"retry-after": "1"}, 0, 1.0),
-    (503, "DELETE", {}, 0, 0.5),
-    (503, "POST", {"retry-after": "1"}, 0, None),  # an add may have landed: not repeated
-    (429, "GET", {"retry-after": "1"}, 3, None),  # retries spent
-    (400, "GET", {"retry-after": "1"}, 0, None),
-    (500, "GET", {}, 0, None),
+@pytest.mark.parametrize(("status", "method", "headers", "expected"), [
+    (429, "POST", {"retry-after": "2"}, [2.0, 2.0]),  # refused before anything was done
+    (429, "POST", {"retry-after": "120"}, [10.0, 10.0]),  # never longer than max_wait_s
+    (429, "GET", {}, [0.5, 1.0]),  # no Retry-After: 0.5 s doubling
+    (429, "GET", {"retry-after": "soon"}, [0.5, 1.0]),
+    (503, "GET", {"retry-after": "1"}, [1.0, 1.0]),
+    (503, "DELETE", {}, [0.5, 1.0]),
+    (503, "POST", {"retry-after": "1"}, []),  # an add may have landed: not repeated
+    (400, "GET", {"retry-after": "1"}, []),
+    (500, "GET", {}, []),
 ])
-def test_which_refusals_are_sent_again_and_after_how_long(status, method, headers, attempt,
+def test_which_refusals_are_sent_again_and_after_how_long(monkeypatch, status, method, headers,
                                                           expected):
-    from inferscale_client.memory_client import retry_delay
+    """Two retries allowed: each refusal is sent again (after how long) or answered at once,
+    and once the retries are spent the server's last refusal is what the caller gets."""
+    slept: list[float] = []
+    monkeypatch.setattr("inferscale_client.memory_client.time.sleep", slept.append)
+    sent: list[str] = []
 
-    response = httpx.Response(status, headers=headers)
-    assert retry_delay(response, method, attempt, retries=3, max_wait_s=10.0) == expected
+    def refuse(request: httpx.Request) -> httpx.Response:
+        sent.append(request.method)
+        return httpx.Response(status, headers=headers, json={"detail": "no"})
+
+    memory = MemoryClient("http://memory.test", api_key="k", retries=2, max_wait_s=10.0,
+                          transport=httpx.MockTransport(refuse))
+    call = {"GET": lambda: memory.list_facts("alice"),
+            "DELETE": lambda: memory.delete_fact("alice", 1),
+            "POST": lambda: memory.add_fact("alice", "A fact.")}[method]
+    with pytest.raises(MemoryAPIError) as refused:
+        call()
+    assert refused.value.status == status
+    assert slept == expected and sent == [method] * (len(expected) + 1)
 
 
 def test_the_client_waits_out_a_rate_limit_and_then_answers(monkeypatch):

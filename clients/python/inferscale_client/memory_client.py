@@ -7,8 +7,8 @@
 
 Both build the same requests (``routes.py``). A refused request raises ``MemoryAPIError`` with
 the server's status and message; a 429 (and a 503 of a read or delete) is sent again up to
-``retries`` times, after the server's ``Retry-After`` (``retry_delay``). With no ``api_key``
-they send ``INFERSCALE_API_KEY``, or for a server on this machine the local admin key
+``retries`` times, after the server's ``Retry-After`` (``retry_policy``, with tenacity). With
+no ``api_key`` they send ``INFERSCALE_API_KEY``, or for a server on this machine the local admin key
 (``keys.py``; ``data_dir``: where it is).
 ``agent_id`` / ``run_id`` scope what a call writes and filter what it reads (None: any).
 """
@@ -26,6 +26,7 @@ from types import EllipsisType
 from typing import Any, TypeVar
 
 import httpx
+from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_result, stop_after_attempt
 
 from inferscale_client import routes
 from inferscale_client.keys import key_for
@@ -83,20 +84,30 @@ def _headers(base_url: str, api_key: str | None, data_dir: Path | None) -> dict[
 RETRIED = {429: None, 503: frozenset({"GET", "DELETE"})}  # status -> methods (None: every one)
 
 
-def retry_delay(response: httpx.Response, method: str, attempt: int, retries: int,
-                max_wait_s: float) -> float | None:
-    """How long to wait before sending again (None: do not): a 429 (refused before anything
-    was done) for every method, a 503 for reads and deletes (repeating them changes nothing),
-    at most ``retries`` times; the server's ``Retry-After`` seconds where it gives them, else
-    0.5 s doubling, never more than ``max_wait_s``."""
-    methods = RETRIED.get(response.status_code, frozenset())
-    if attempt >= retries or (methods is not None and method not in methods):
-        return None
-    try:
-        wait = float(response.headers["retry-after"])
-    except (KeyError, ValueError):
-        wait = 0.5 * 2**attempt
-    return min(max(wait, 0.0), max_wait_s)
+def retry_policy(method: str, retries: int, max_wait_s: float) -> dict[str, Any]:
+    """tenacity's arguments for sending a ``method`` request again: after a 429 (refused before
+    anything was done) for every method, after a 503 for reads and deletes (repeating them
+    changes nothing), at most ``retries`` times; waiting the server's ``Retry-After`` seconds
+    where it gives them, else 0.5 s doubling, never more than ``max_wait_s``. Once the retries
+    are spent the last response is the answer; a failure to connect is not retried."""
+    def again(response: httpx.Response) -> bool:
+        methods = RETRIED.get(response.status_code, frozenset())
+        return methods is None or method in methods
+
+    def wait(state: RetryCallState) -> float:
+        assert state.outcome is not None
+        try:
+            seconds = float(state.outcome.result().headers["retry-after"])
+        except (KeyError, ValueError):
+            seconds = 0.5 * 2 ** (state.attempt_number - 1)
+        return min(max(seconds, 0.0), max_wait_s)
+
+    def last_response(state: RetryCallState) -> httpx.Response:
+        assert state.outcome is not None
+        return state.outcome.result()
+
+    return {"retry": retry_if_result(again), "wait": wait,
+            "stop": stop_after_attempt(retries + 1), "retry_error_callback": last_response}
 
 
 def _waiting(timeout: httpx.Timeout, call: routes.Call[Any]) -> httpx.Timeout:
@@ -119,16 +130,10 @@ class MemoryClient:
         self._retries, self._max_wait_s = retries, max_wait_s
 
     def _send(self, call: routes.Call[T]) -> T:
-        attempt = 0
-        while True:
-            response = self._http.request(call.method, call.path, params=call.params,
-                                          json=call.body,
-                                          timeout=_waiting(self._http.timeout, call))
-            wait = retry_delay(response, call.method, attempt, self._retries, self._max_wait_s)
-            if wait is None:
-                return _read(response, call)
-            attempt += 1
-            time.sleep(wait)
+        retrying = Retrying(sleep=lambda seconds: time.sleep(seconds),
+                            **retry_policy(call.method, self._retries, self._max_wait_s))
+        return _read(retrying(self._http.request, call.method, call.path, params=call.params,
+                              json=call.body, timeout=_waiting(self._http.timeout, call)), call)
 
     def close(self) -> None:
         self._http.close()
@@ -251,16 +256,12 @@ class AsyncMemoryClient:
         self._retries, self._max_wait_s = retries, max_wait_s
 
     async def _send(self, call: routes.Call[T]) -> T:
-        attempt = 0
-        while True:
-            response = await self._http.request(call.method, call.path, params=call.params,
-                                                json=call.body,
-                                                timeout=_waiting(self._http.timeout, call))
-            wait = retry_delay(response, call.method, attempt, self._retries, self._max_wait_s)
-            if wait is None:
-                return _read(response, call)
-            attempt += 1
-            await asyncio.sleep(wait)
+        retrying = AsyncRetrying(sleep=lambda seconds: asyncio.sleep(seconds),
+                                 **retry_policy(call.method, self._retries, self._max_wait_s))
+        response: httpx.Response = await retrying(self._http.request, call.method, call.path,
+                                  params=call.params, json=call.body,
+                                  timeout=_waiting(self._http.timeout, call))
+        return _read(response, call)
 
     async def aclose(self) -> None:
         await self._http.aclose()
