@@ -114,7 +114,9 @@ def unpack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :dim]
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers ``[..., dim]`` of ``bits`` each as packed codes ``[..., dim * bits / 8]`` (``dim``
+    a multiple of ``8 / bits``): ``unpack``'s inverse."""
     per = 8 // bits
     if per == 1:
         return codes.to(torch.uint8)
@@ -153,7 +155,7 @@ def quantize(k: torch.Tensor, v: torch.Tensor, kv_format: str) -> KVPiece:
         scaled = (x - zero.float()) / scale.float()
         if kv_format == FP8:
             return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        return _pack(scaled.round().clamp(0, (1 << bits) - 1), bits)
+        return pack(scaled.round().clamp(0, (1 << bits) - 1), bits)
 
     kp = k_params.unsqueeze(1)
     return KVPiece(k=codes(kf, kp[..., 0, :], kp[..., 1, :]),

@@ -40,10 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inferscale.contracts.kv_format import bits_of, quantize
+from inferscale.contracts.kv_format import FORMATS, bits_of, quantize
 from inferscale.kv.encoder import EncodeItem, FactEncoder
 from inferscale.kv.key_scales import KeyScales, key_factor
 from inferscale.kv.rope import ChunkedRope
+from inferscale.lab.transform_coding import FixedRateCoder, TransformProfile, decode, encode
 
 Context = tuple[int, ...]  # memory indices, in the order they precede the fact
 Key = tuple[int, Context]  # (fact, context)
@@ -85,35 +86,73 @@ SCALED = "+scales"  # strategy suffix: the facts' keys are scaled by the key sca
 STORED = "%"  # strategy suffix: %<format>[:<lead format>], the facts' K/V stored so
 
 
+def storage(kv_format: str, transform: TransformProfile | None = None
+            ) -> Callable[[KV], tuple[KV, int]]:
+    """K/V (fp32) as the server reads them back after storing them in ``kv_format`` (bf16 on
+    the way), and the bytes stored: a format of ``kv_format.py``, or transform coded with the
+    profile (``fr<mean bits>``, ``tc<quality>``: ``transform_coding.py``)."""
+    if kv_format[:2] in ("fr", "tc") and kv_format not in FORMATS:
+        if transform is None:
+            raise ValueError(f"format {kv_format!r} needs a transform profile")
+        try:
+            amount = float(kv_format[2:])
+        except ValueError:
+            raise ValueError(f"format {kv_format!r}: expected fr<bits> or tc<quality>") from None
+        if kv_format.startswith("fr"):
+            coder = FixedRateCoder(transform, amount)
+
+            def fixed_rate(kv: KV) -> tuple[KV, int]:
+                coded = coder.encode(kv[0].to(torch.bfloat16), kv[1].to(torch.bfloat16))
+                return coder.decode(coded, kv[0].shape[1], torch.float32), coder.nbytes(coded)
+
+            return fixed_rate
+
+        def uniform(kv: KV) -> tuple[KV, int]:
+            blob = encode(kv[0].to(torch.bfloat16), kv[1].to(torch.bfloat16), transform, amount)
+            return decode(blob, transform, torch.float32), len(blob)
+
+        return uniform
+    bits_of(kv_format)  # raises for an unknown format
+
+    def stored(kv: KV) -> tuple[KV, int]:
+        piece = quantize(kv[0].to(torch.bfloat16), kv[1].to(torch.bfloat16), kv_format)
+        k, v = piece.dequantized()
+        return (k.float(), v.float()), piece.nbytes
+
+    return stored
+
+
 class Strategy:
     """Contexts a fact is encoded after (averaged when several), given its serving prefix, the
-    memory positions recomputed after injection (``recompute``, empty by default) and whether
-    the facts' keys are scaled by the key scales (``scaled``)."""
+    memory positions recomputed after injection (``recompute``, empty by default), whether
+    the facts' keys are scaled by the key scales (``scaled``) and how they are stored
+    (``formats``: body[:lead], ``storage``), with the bytes stored and their bf16 size."""
 
     def __init__(self, name: str, contexts: Callable[[int, Context], list[Context]],
-                 recompute: str = "", scaled: bool = False, formats: str = ""):
+                 recompute: str = "", scaled: bool = False, formats: str = "",
+                 transform: TransformProfile | None = None):
         name += SCALED if scaled else ""
         name = f"{name}/{recompute}" if recompute else name
         self.name = f"{name}{STORED}{formats}" if formats else name
         self.contexts = contexts
         self.recompute = recompute
         self.scaled = scaled
-        self.formats: tuple[str, str] | None = None
+        self.storage: tuple[Callable[[KV], tuple[KV, int]], ...] | None = None
         if formats:
             body, _, lead = formats.partition(":")
-            self.formats = body, lead or body
-            for kv_format in self.formats:
-                bits_of(kv_format)  # raises for an unknown format
+            self.storage = tuple(storage(f, transform) for f in (body, lead or body))
+        self.stored_bytes = 0
+        self.bf16_bytes = 0
 
     def stored(self, kv: KV, lead: bool) -> KV:
         """``kv`` as the server reads it back: in bf16, stored in the strategy's format (the
         lead format for a lead encoding); as computed where the strategy names none."""
-        if self.formats is None:
+        if self.storage is None:
             return kv
-        piece = quantize(kv[0].to(torch.bfloat16), kv[1].to(torch.bfloat16),
-                         self.formats[int(lead)])
-        k, v = piece.dequantized()
-        return k.float(), v.float()
+        back, stored_bytes = self.storage[int(lead)](kv)
+        self.stored_bytes += stored_bytes
+        self.bf16_bytes += 2 * kv[0].numel() * 2
+        return back
 
     def plan(self, order: Sequence[int]) -> list[tuple[int, list[Context]]]:
         """(fact, the contexts it is encoded after) for facts served in ``order``."""
@@ -157,7 +196,8 @@ def _select(memory: Memory, fact: int, prefix: Context, candidates: list[Context
     return max(candidates, key=score)
 
 
-def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int = 0) -> Strategy:
+def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int = 0,
+                  transform: TransformProfile | None = None) -> Strategy:
     """A strategy from ``name``, ``name@w``, either with ``+scales`` (key scales) and/or
     ``/<selector>``, then optionally ``%<format>[:<lead format>]`` (the K/V stored in that
     format, ``kv_format.py``); a ``-pos0`` suffix gives the fact served first (right after the
@@ -221,8 +261,8 @@ def make_strategy(spec: str, memory: Memory, default_w: int, k: int, seed: int =
     contexts = table[base]
     if base != name:  # the first fact served gets its preamble-only encoding (exact there)
         return Strategy(label, lambda f, p: contexts(f, p) if p else [()], recompute, scaled,
-                        formats)
-    return Strategy(label, contexts, recompute, scaled, formats)
+                        formats, transform)
+    return Strategy(label, contexts, recompute, scaled, formats, transform)
 
 
 SELECTORS = ("first", "tail", "blend", "random")
@@ -501,10 +541,12 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
             ks: Sequence[int], strategies: Sequence[str], w: int = 5, first_n: int = 4,
             seed: int = 0, log: Callable[[str], None] = print,
             checkpoint: Callable[[dict], None] | None = None, order: str = "relevance",
-            key_scales: KeyScales | None = None) -> dict:
+            key_scales: KeyScales | None = None, transform: TransformProfile | None = None
+            ) -> dict:
     """Every strategy at every k over the questions, facts served in ``order``; a summary and
     per-question records (``checkpoint`` gets the partial result after each strategy).
-    ``key_scales``: what ``+scales`` strategies scale the facts' keys by."""
+    ``key_scales``: what ``+scales`` strategies scale the facts' keys by; ``transform``: the
+    profile of ``fr`` / ``tc`` formats."""
     from inferscale.lab.fidelity import bootstrap_mean_ci
 
     encoder.kv_dtype = torch.float32  # fp32 K/V: text and inject differ only by context
@@ -522,7 +564,7 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
         log(f"k={k}: text prefill of {len(prompts)} prompts "
             f"({statistics.mean(len(p.token_ids) for p in prompts):.0f} tokens on average) "
             f"in {time.perf_counter() - t0:.1f} s")
-        jobs = [make_strategy(s, memory, w, k, seed) for s in strategies]
+        jobs = [make_strategy(s, memory, w, k, seed, transform) for s in strategies]
         if key_scales is None and any(job.scaled for job in jobs):
             raise ValueError(f"a {SCALED} strategy needs key scales")
         plans = [[job.plan(p.order) for p in prompts] for job in jobs]
@@ -563,6 +605,8 @@ def measure(encoder: FactEncoder, memory: Memory, questions: list[tuple[str, np.
                      f"first_{first_n}": statistics.mean(r[f"first_{first_n}"] for r in rows),
                      "encodings": len(needs[n]), "encode_tokens": enc.tokens - tokens0,
                      "encode_s": round(enc.seconds - enc_s0, 1),
+                     "stored_share": (job.stored_bytes / job.bf16_bytes if job.bf16_bytes
+                                      else None),
                      "seconds": round(time.perf_counter() - t0, 1)}
             summary[f"{job.name} k={k}"] = entry
             log(f"  {job.name:24s} k={k}: KL {entry['kl_mean']:.4f}  first token "
@@ -622,13 +666,14 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
         ks: Sequence[int] = (20,), strategies: Sequence[str] = ("oracle", "neighbours"),
         w: int = 5, max_turns: int | None = 150, seed: int = 1, first_n: int = 4,
         threads: int = 2, name: str = "drift", anchor: str | None = None,
-        order: str = "relevance") -> dict:
+        order: str = "relevance", transform: Path | None = None) -> dict:
     """Load the model, embedder and data; measure; print a table and write ``<name>.json``.
 
     ``anchor``: a layout variant where a fixed memory line follows the preamble (in text and
     inject alike, encoded once with it), so no retrieved fact sits right after the preamble.
     ``+scales`` strategies use the key scales ``settings.key_scales`` selects, at the server's
-    ``key_scale_strength``."""
+    ``key_scale_strength``. ``transform``: a profile (``calibrate transform``) for the ``fr`` /
+    ``tc`` formats."""
     from inferscale.kv.encoder import load_encoder
     from inferscale.lab.bench.common import print_table, write_report
     from inferscale.pipeline.embedder import load_embedder
@@ -659,20 +704,23 @@ def run(settings, data: Path, out_dir: Path, conversation: int = 0, questions: i
               "facts": len(facts), "questions": len(asked), "seed": seed, "ks": list(ks),
               "w": w, "strategies": list(strategies), "first_n": first_n, "threads": threads,
               "dtype": "float32", "anchor": anchor, "order": order,
-              "key_scales": scales.source if scales else None}
+              "key_scales": scales.source if scales else None,
+              "transform": str(transform) if transform else None}
 
     def save(partial: dict) -> None:
         write_report(out_dir, name, {**report, "complete": False, **partial})
 
     result = measure(encoder, memory, list(zip(asked, query_vectors, strict=True)), ks,
                      strategies, w, first_n, seed, checkpoint=save, order=order,
-                     key_scales=scales)
+                     key_scales=scales,
+                     transform=TransformProfile.load(transform) if transform else None)
     rows = [[name, s["kl_mean"], s["first_token"], s[f"first_{first_n}"],
              s.get("kl_minus_neighbours5", ""), s.get("kl_minus_base", ""),
-             s["recomputed_share"], s["encode_tokens"]]
+             s["recomputed_share"], s["stored_share"] or "", s["encode_tokens"]]
             for name, s in result["summary"].items()]
     print_table(["strategy", "KL mean", "first token", f"first {first_n}",
-                 "KL - neighbours@5", "KL - no recompute", "recomputed", "encode tokens"], rows)
+                 "KL - neighbours@5", "KL - no recompute", "recomputed", "stored / bf16",
+                 "encode tokens"], rows)
     path = write_report(out_dir, name, {**report, "complete": True, **result,
                                         "wall_s": round(time.perf_counter() - started, 1)})
     print(f"wrote {path}")

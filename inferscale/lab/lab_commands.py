@@ -114,7 +114,8 @@ def _eval(args: argparse.Namespace, settings: Settings) -> int:
                   questions=args.questions, ks=tuple(args.k), strategies=tuple(args.strategies),
                   w=windows[0], max_turns=args.max_turns, seed=args.seed,
                   threads=args.threads, name=args.name, anchor=args.anchor,
-                  order=args.order)
+                  order=args.order,
+                  transform=Path(args.transform_profile) if args.transform_profile else None)
         return 0
     evaluate.run(settings, Path(args.data), Path(args.out),
                  conversations=tuple(args.conversations),
@@ -150,6 +151,15 @@ def _key_scales_choice(raw: str) -> float | None:
 
 
 def _calibrate(args: argparse.Namespace, settings: Settings) -> int:
+    if args.what == "transform":
+        from inferscale.lab import fit_transform
+
+        if args.data is None:
+            raise SystemExit("calibrate transform needs --data")
+        fit_transform.run(settings, Path(args.data), Path(args.out) if args.out else None,
+                          conversations=tuple(args.conversations), facts=args.facts,
+                          w=settings.window, seed=args.seed, threads=args.threads)
+        return 0
     if args.what == "recompute":
         from inferscale.lab import fit_recompute
 
@@ -261,22 +271,28 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the first fact served uses its preamble-only encoding; '+scales': "
                         "the facts' keys scaled by the key scales (INFERSCALE_KEY_SCALES); "
                         "'/first<b>', '/tail<m>', '/blend<r>', '/random<r>': selective "
-                        "recompute after injection")
+                        "recompute after injection; '%<format>[:<lead format>]': stored so (a "
+                        "KV format, or fr<mean bits> / tc<quality> with --transform-profile)")
     p.add_argument("--threads", type=int, default=2, help="drift: torch CPU threads")
     p.add_argument("--name", default="drift", help="drift: report name (<out>/<name>.json)")
+    p.add_argument("--transform-profile", help="drift: the profile of 'fr<bits>' / "
+                                               "'tc<quality>' formats (calibrate transform)")
     p.add_argument("--anchor", help="drift: a fixed memory line after the preamble (layout "
                                     "variant, text and inject alike)")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("calibrate", help="fit what the fidelity machinery needs for the served "
-                                         "model: key scales (HF, offline) or recompute auto's "
-                                         "margins (through the server)")
-    p.add_argument("what", nargs="?", choices=["key-scales", "recompute"], default="key-scales")
+                                         "model: key scales (HF, offline), recompute auto's "
+                                         "margins (through the server) or a transform-coding "
+                                         "profile (HF, offline)")
+    p.add_argument("what", nargs="?", choices=["key-scales", "recompute", "transform"],
+                   default="key-scales")
     p.add_argument("--data", help="a LoCoMo-format JSON file")
     p.add_argument("--out", help="key-scales: the scales file (default: <data_dir>/key_scales/"
                                  "<model>.json; its points at other fact counts are kept); "
                                  "recompute: the profile (default: <data_dir>/calibration/"
-                                 "<fingerprint>.json, which the server reads)")
+                                 "<fingerprint>.json, which the server reads); transform: the "
+                                 "profile (default: transform-<model>.safetensors)")
     p.add_argument("--conversations", type=int, nargs="+", default=[1, 2],
                    help="conversation indexes to fit on (keep evaluation ones out)")
     p.add_argument("--questions", type=int, default=40,
@@ -301,6 +317,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-text-share", type=float, default=0.5,
                    help="recompute: bound on the share of requests answered as text (they agree "
                         "by construction; 0.2: at least 80%% served as KV)")
+    p.add_argument("--facts", type=int, default=150,
+                   help="transform: facts per conversation to fit on (a seeded sample)")
     p.add_argument("--runs-out", default="bench-out/calibrate",
                    help="recompute: where the calibration run's answers and logs go")
     p.set_defaults(func=_calibrate)

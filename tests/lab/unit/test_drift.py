@@ -187,3 +187,37 @@ def test_scaled_strategies_scale_the_facts_keys_only(tiny_models):
     assert torch.equal(scaled[:, :preamble], keys[:, :preamble])
     for layer, scale in enumerate((0.5, 1.0, 2.0)):
         assert torch.allclose(scaled[layer, preamble:], keys[layer, preamble:] * scale)
+
+
+def test_stored_formats_say_their_bytes_and_transform_ones_need_a_profile(tiny_models):
+    """int4 and fixed-rate transform coding give back K/V close to what went in, with the
+    bytes they stored against bf16's; an unknown format, or a transform one without a profile,
+    is refused by name."""
+    from inferscale.lab.drift import storage
+    from inferscale.lab.transform_coding import ProfileFit
+
+    encoder = FactEncoder(tiny_models["llama"], device="cpu", dtype=torch.float32)
+    encoder.kv_dtype = torch.float32
+    memory = _memory(encoder)
+    encodings = Encodings(encoder, memory)
+    keys = {(fact, ()) for fact in range(len(SAID))}
+    encodings.ensure(keys)
+    fit = ProfileFit()
+    for key in sorted(keys):
+        fit.add(*encodings.kv[key])
+    profile = fit.profile("tiny")
+    kv = encodings.kv[(3, ())]
+    bf16 = 2 * kv[0].numel() * 2
+    for kv_format, share in (("int4", 0.5), ("fr2", 0.25), ("fr8", 0.75)):
+        (k, v), stored = storage(kv_format, profile)(kv)
+        assert k.shape == kv[0].shape and stored < share * bf16
+        assert (k - kv[0]).abs().mean() < 0.25 * kv[0].abs().mean()
+    job = make_strategy("none%fr1:int8", memory, 2, 3, transform=profile)
+    job.stored(kv, lead=False)
+    job.stored(kv, lead=True)
+    assert job.stored_bytes < job.bf16_bytes == 2 * bf16
+    for bad in ("int3", "fr", "frx", "tc"):
+        with pytest.raises(ValueError):
+            storage(bad, profile)
+    with pytest.raises(ValueError, match="transform profile"):
+        make_strategy("none%fr1", memory, 2, 3)
