@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
-README_MAX_LINES = 320
+README_MAX_LINES = 200
+README_MAX_COLUMNS = 120
 
 FENCED = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
@@ -97,3 +98,6 @@ def test_readme_is_short():
     lines = len(README.read_text(encoding="utf-8").splitlines())
     assert lines <= README_MAX_LINES, (
         f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail into docs/")
+    wide = [n for n, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > README_MAX_COLUMNS]
+    assert not wide, f"README.md lines over {README_MAX_COLUMNS} characters: {wide}"
