@@ -20,7 +20,10 @@ from inferscale.core.settings import Settings
     ("INFERSCALE_RECOMPUTE_AUTO_DIRECT_MARGIN", "nan"),
     ("INFERSCALE_RECOMPUTE_AUTO_DIRECT_MARGIN", "inf"),
     ("INFERSCALE_RECOMPUTE_AUTO_DIRECT_MARGIN", "low"),
-    ("INFERSCALE_RECORD_CONVERSATIONS", "sometimes")])
+    ("INFERSCALE_RECORD_CONVERSATIONS", "sometimes"),
+    ("INFERSCALE_RECORD_OUTBOX_TURNS", "0"), ("INFERSCALE_RECORD_OUTBOX_TURNS", "-1"),
+    ("INFERSCALE_RECORD_OUTBOX_TURNS", "lots"), ("INFERSCALE_RECORD_DRAIN_S", "-1"),
+    ("INFERSCALE_RECORD_DRAIN_S", "nan"), ("INFERSCALE_RECORD_DRAIN_S", "inf")])
 def test_the_new_settings_refuse_nonsense(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValidationError):
@@ -54,3 +57,10 @@ def test_recording_and_the_direct_step_are_off_unless_asked(monkeypatch):
     settings = Settings()
     assert settings.record_conversations is True
     assert settings.recompute_auto_direct_margin == 0.375
+
+
+def test_the_outbox_settings_take_what_they_document(monkeypatch):
+    monkeypatch.setenv("INFERSCALE_RECORD_OUTBOX_TURNS", "1")
+    monkeypatch.setenv("INFERSCALE_RECORD_DRAIN_S", "0")
+    settings = Settings()
+    assert settings.record_outbox_turns == 1 and settings.record_drain_s == 0
