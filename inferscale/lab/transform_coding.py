@@ -21,6 +21,7 @@ them:
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,28 @@ class TransformProfile:
         """(layers, heads, head_dim)."""
         layers, heads, dim = self.mean["k"].shape
         return layers, heads, dim
+
+    @functools.cached_property
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Means ``[2, layers, heads, dim]`` and axes ``[2, layers, heads, dim, dim]``, K first."""
+        return (torch.stack([self.mean[kind] for kind in KINDS]),
+                torch.stack([self.axes[kind] for kind in KINDS]))
+
+    def coefficients(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """K and V ``[layers, tokens, heads, dim]`` as coefficients of the axes: ``[2, layers,
+        heads, tokens, dim]``, K first."""
+        if v.shape != k.shape or k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != self.shape:
+            raise TransformCodingError(f"K/V of shape {tuple(k.shape)} do not fit a profile of "
+                                       f"(layers, heads, dim) {self.shape}")
+        mean, axes = self._stacked
+        return (torch.stack([k.float(), v.float()]).transpose(2, 3) - mean.unsqueeze(3)) @ axes
+
+    def rows(self, coefficients: torch.Tensor, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``coefficients``' inverse: K and V ``[layers, tokens, heads, dim]`` in ``dtype``."""
+        mean, axes = self._stacked
+        k, v = (coefficients @ axes.transpose(-1, -2) + mean.unsqueeze(3)).transpose(2, 3).to(dtype)
+        return k.contiguous(), v.contiguous()
 
     def steps(self, quality: float) -> torch.Tensor:
         """The quantisation step of each (kind, layer, head): ``[2, layers, heads]``."""
@@ -131,17 +154,11 @@ class ProfileFit:
 def encode(k: torch.Tensor, v: torch.Tensor, profile: TransformProfile, quality: float) -> bytes:
     """K and V ``[layers, tokens, heads, dim]`` coded at ``quality`` (a step of ``quality``
     root mean variances)."""
+    coefficients = profile.coefficients(k, v)  # refuses K/V of another shape
     layers, tokens, heads, dim = k.shape
-    if v.shape != k.shape or (layers, heads, dim) != profile.shape:
-        raise TransformCodingError(f"K/V of shape {tuple(k.shape)} do not fit a profile of "
-                                   f"(layers, heads, dim) {profile.shape}")
     if not 0 < quality < 1e3 or tokens > MAX_TOKENS:
         raise TransformCodingError(f"cannot code {tokens} tokens at quality {quality}")
-    steps = profile.steps(quality)
-    codes = torch.stack([
-        ((x.float().permute(0, 2, 1, 3) - profile.mean[kind].unsqueeze(2)) @ profile.axes[kind]
-         / steps[i].unsqueeze(-1).unsqueeze(-1)).round()
-        for i, (kind, x) in enumerate(zip(KINDS, (k, v), strict=True))])
+    codes = (coefficients / profile.steps(quality)[..., None, None]).round()
     codes = codes.transpose(-1, -2)  # [kind, layers, heads, component, token]
     wide = bool(codes.abs().max() > 127) if codes.numel() else False
     if wide and codes.abs().max() > 32767:
@@ -174,13 +191,8 @@ def decode(data: bytes, profile: TransformProfile, dtype: torch.dtype = torch.bf
         raise TransformCodingError("transform-coded blob: codes of the wrong length")
     codes = torch.frombuffer(bytearray(raw), dtype=torch.int16 if width == 2 else torch.int8)
     codes = codes.view(2, layers, heads, dim, tokens).float()
-    steps = profile.steps(quality)
-    out = []
-    for i, kind in enumerate(KINDS):
-        coefficients = codes[i].transpose(-1, -2) * steps[i].unsqueeze(-1).unsqueeze(-1)
-        rows = coefficients @ profile.axes[kind].transpose(-1, -2) + profile.mean[kind].unsqueeze(2)
-        out.append(rows.permute(0, 2, 1, 3).to(dtype).contiguous())
-    return out[0], out[1]
+    coefficients = codes.transpose(-1, -2) * profile.steps(quality)[..., None, None]
+    return profile.rows(coefficients, dtype)
 
 
 # Uniform midrise quantiser steps, in standard deviations, that minimise a Gaussian's squared
@@ -214,8 +226,7 @@ class FixedRateCoder:
     def __init__(self, profile: TransformProfile, mean_bits: float):
         if not 0 < mean_bits <= 8:
             raise TransformCodingError(f"mean bits {mean_bits} not in (0, 8]")
-        self.mean = torch.stack([profile.mean[kind] for kind in KINDS])  # [2, L, H, D]
-        self.axes = torch.stack([profile.axes[kind] for kind in KINDS])  # [2, L, H, D, D]
+        self.profile = profile
         variance = torch.stack([profile.variance[kind] for kind in KINDS])
         self.widths = allocate(variance, mean_bits)
         flat = self.widths.flatten()
@@ -231,10 +242,7 @@ class FixedRateCoder:
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[int, torch.Tensor]:
         """K and V ``[layers, tokens, heads, dim]`` as packed codes by width."""
-        rows = torch.stack([k.float(), v.float()]).transpose(2, 3)  # [2, L, H, T, D]
-        if rows.shape[:3] + rows.shape[4:] != self.mean.shape:
-            raise TransformCodingError(f"K/V of shape {tuple(k.shape)} do not fit the profile")
-        coefficients = ((rows - self.mean.unsqueeze(3)) @ self.axes).permute(3, 0, 1, 2, 4)
+        coefficients = self.profile.coefficients(k, v).permute(3, 0, 1, 2, 4)
         flat = coefficients.flatten(1)  # [T, 2 * L * H * D]
         coded = {}
         for width, index in self.groups.items():
@@ -254,9 +262,7 @@ class FixedRateCoder:
             values = codes[:, :len(index)].float() - (1 << width) / 2 + 0.5
             flat[:, index] = values * self.steps[index]
         coefficients = flat.view(tokens, *self.widths.shape).permute(1, 2, 3, 0, 4)
-        rows = coefficients @ self.axes.transpose(-1, -2) + self.mean.unsqueeze(3)
-        k, v = rows.transpose(2, 3).to(dtype)
-        return k.contiguous(), v.contiguous()
+        return self.profile.rows(coefficients, dtype)
 
     @staticmethod
     def nbytes(coded: dict[int, torch.Tensor]) -> int:
